@@ -1,0 +1,152 @@
+"""Validated configuration: encoder, poolers, windows and the embedding job.
+
+Everything a user stores or passes between processes is one of these models, so a typo in
+a TOML file or a flag fails at once with the field named, not deep inside a worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.errors import ConfigError
+
+LayerCombine = Literal["mean", "max", "concat", "weighted"]
+WindowAgg = Literal["mean", "max", "weighted", "first"]
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "fp32", "bf16", "fp16"]
+Runner = Literal["threads", "processes", "dask"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolerSpec(_Strict):
+    """One named pooler set: a registered strategy and its options.
+
+    ``name`` names the set on disk; ``strategy`` names the registered pooler (it defaults
+    to ``name``, so ``PoolerSpec(name="mean")`` is the built-in mean).
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)
+    strategy: str | None = None
+    layers: tuple[int, ...] = (-1,)
+    layer_combine: LayerCombine = "mean"
+    layer_weights: tuple[float, ...] | None = None
+    normalize: bool = True
+    truncate_dim: int | None = Field(default=None, gt=0)
+    window_agg: WindowAgg | None = None
+    head: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolerSpec:
+        if self.strategy is None:
+            object.__setattr__(self, "strategy", self.name)
+        if not self.layers:
+            raise ValueError("layers must name at least one layer")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layers has duplicates: {list(self.layers)}")
+        if self.layer_combine == "weighted":
+            if self.layer_weights is None or len(self.layer_weights) != len(self.layers):
+                raise ValueError("layer_combine = 'weighted' needs one layer_weights per layer")
+        elif self.layer_weights is not None:
+            raise ValueError("layer_weights is only used with layer_combine = 'weighted'")
+        if self.strategy == "learned" and not self.head:
+            raise ValueError("the 'learned' pooler needs head = <folder with head.safetensors>")
+        return self
+
+    def spec_dict(self) -> dict:
+        """The options that change the vectors (what the fingerprint covers)."""
+        return self.model_dump(exclude={"name"}, mode="json")
+
+
+class WindowConfig(_Strict):
+    """Long texts are cut into windows of ``size`` tokens (specials included) every ``stride``."""
+
+    size: int = Field(gt=2)
+    stride: int = Field(gt=0)
+    agg: WindowAgg = "mean"
+
+    @model_validator(mode="after")
+    def _check(self) -> WindowConfig:
+        if self.stride > self.size - 2:
+            raise ValueError(
+                f"window stride {self.stride} leaves gaps: it must be <= window size - 2 "
+                f"({self.size - 2}) so every token is covered"
+            )
+        return self
+
+
+class EncoderConfig(_Strict):
+    """Which model runs and how: enough to rebuild the encoder inside any worker."""
+
+    model: str | None = None  # folder or Hugging Face name; None = packaged all-MiniLM-L6-v2
+    device: Device = "auto"
+    dtype: DType = "auto"
+    max_length: int | None = Field(default=None, gt=2)
+    window: WindowConfig | None = None
+    token_budget: int = Field(default=16384, gt=0)
+    max_batch_rows: int = Field(default=512, gt=0)
+    trust_remote_code: bool = False
+
+
+class EmbedJob(_Strict):
+    """An embedding job over a corpus: what ``embedpipe embed`` and ``backfill`` run."""
+
+    corpus: str
+    out: str
+    encoder: EncoderConfig = EncoderConfig()
+    poolers: tuple[PoolerSpec, ...] = (PoolerSpec(name="mean"),)
+    id_column: str = "id"
+    text_column: str = "text"
+    rows_per_shard: int = Field(default=20_000, gt=0)
+    runner: Runner = "threads"
+    workers: int = Field(default=1, gt=0)
+    dask_address: str | None = None
+    quarantine: bool = False
+    dedupe: bool = False
+
+    @model_validator(mode="after")
+    def _unique_sets(self) -> EmbedJob:
+        names = [p.name for p in self.poolers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"pooler set names must be unique, repeated: {dupes}")
+        if not names:
+            raise ValueError("at least one pooler is needed")
+        return self
+
+
+def parse(model: type[BaseModel], data: dict, source: str) -> BaseModel:
+    """Validate ``data`` into ``model``; a failure becomes one ConfigError line naming fields."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"invalid {source}: {problems}") from None
+
+
+def load_toml(path: str | Path) -> dict:
+    """Read a TOML config file into a plain dict (merged with flags by the caller)."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def stable_hash(payload: object, length: int = 16) -> str:
+    """A short hash of JSON-able data that does not depend on key order."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
