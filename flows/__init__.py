@@ -1,0 +1,1 @@
+"""Thin Prefect flows and the command line over the ``pipeline`` library."""

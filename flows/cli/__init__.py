@@ -1,0 +1,50 @@
+"""The ``embedpipe`` command line: one module per group of commands, each a thin layer.
+
+Each module in ``COMMAND_MODULES`` exposes ``register(subparsers)``, adding its
+sub-commands with ``set_defaults(func=...)``; ``func(args) -> int`` is the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pipeline.errors import EmbedpipeError
+
+COMMAND_MODULES = (
+    "flows.cli.embed",
+    "flows.cli.search",
+    "flows.cli.train",
+    "flows.cli.demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embedpipe", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that group of commands is not written yet
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except EmbedpipeError as exc:
+        print(f"embedpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"embedpipe {args.command}: interrupted; rerun to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
