@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import pipeline  # noqa: F401  (caps oneDNN before any torch kernel runs; see pipeline.hardware)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,166 @@
+"""Texts in, one vector per text and pooler set out, from ONE forward pass per batch.
+
+The steps: tokenize the batch in bulk (fast tokenizer, no truncation), plan pieces (the
+first ``max_length`` tokens, or overlapping windows), cut pieces into token-budget batches
+sorted by length, run the encoder once per batch asking only for what the poolers need,
+apply every pooler to the same states, aggregate windows back to rows, truncate and
+normalise. Output rows are in input order whatever the batching.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pipeline.batching import token_budget_batches
+from pipeline.config import EncoderConfig, PoolerSpec, WindowAgg, stable_hash
+from pipeline.data import EmbeddingBatch, TextBatch
+from pipeline.encoder import Encoder, EncoderInfo
+from pipeline.poolers import Pooler
+from pipeline.windows import Pieces, truncate, windows
+
+
+class Embedder:
+    """An encoder and its configured poolers; build once per worker (see ``get_embedder``)."""
+
+    def __init__(self, encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> None:
+        from pipeline.poolers.base import REGISTRY, build_pooler  # noqa: F401
+
+        self.cfg = encoder
+        self.specs = {spec.name: spec for spec in poolers}
+        wants_attention = any(_needs_attention(spec) for spec in poolers)
+        self.encoder = Encoder(encoder, need_attention=wants_attention)
+        self.info: EncoderInfo = self.encoder.info()
+        self.poolers: dict[str, Pooler] = {
+            name: build_pooler(spec, self.info) for name, spec in self.specs.items()
+        }
+        self.layers = {i for p in self.poolers.values() for i in p.layers}
+        self.attention = any(p.needs_attention for p in self.poolers.values())
+        if encoder.window and encoder.window.size > self.encoder.max_length:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError(
+                f"window size {encoder.window.size} is above max_length {self.encoder.max_length}"
+            )
+
+    def dims(self) -> dict[str, int]:
+        return {name: pooler.dim for name, pooler in self.poolers.items()}
+
+    def window_agg(self, name: str) -> WindowAgg:
+        spec = self.specs[name]
+        return spec.window_agg or (self.cfg.window.agg if self.cfg.window else "first")
+
+    def fingerprint(self, name: str) -> str:
+        """Identity of a set's vectors: model weights, pooler, lengths and windows."""
+        window = self.cfg.window
+        return stable_hash(
+            {
+                "model_hash": self.info.model_hash,
+                "pooler": self.specs[name].spec_dict() | {"window_agg": self.window_agg(name)},
+                "pooler_identity": self.poolers[name].identity(),
+                "max_length": self.info.max_length,
+                "window": [window.size, window.stride] if window else None,
+            }
+        )
+
+    def embed(self, batch: TextBatch) -> EmbeddingBatch:
+        if not len(batch):
+            return EmbeddingBatch([], {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()})
+        tokens = self.encoder.tokenize(list(batch.texts))
+        lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+        pieces = self._plan(lengths)
+        raw = self._forward_pieces(tokens, pieces)
+        vectors = {name: self._finish(name, raw[name], pieces, len(batch)) for name in raw}
+        stats = {
+            "rows": len(batch),
+            "tokens": int(pieces.lengths.sum()),
+            "windows": len(pieces),
+            "truncated": int((lengths > self.encoder.content_length).sum()) if not self.cfg.window else 0,
+        }
+        return EmbeddingBatch(list(batch.ids), vectors, stats)
+
+    def encode(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
+        """Vectors of ``texts`` for one set (the only set when ``set_name`` is None)."""
+        name = set_name or next(iter(self.specs))
+        return self.embed(TextBatch(list(range(len(texts))), list(texts))).vectors[name]
+
+    def _plan(self, lengths: np.ndarray) -> Pieces:
+        window = self.cfg.window
+        if window is None:
+            return truncate(lengths, self.encoder.content_length)
+        specials = len(self.encoder.prefix) + len(self.encoder.suffix)
+        return windows(lengths, window.size - specials, window.stride)
+
+    def _forward_pieces(self, tokens: list[list[int]], pieces: Pieces) -> dict[str, np.ndarray]:
+        specials = len(self.encoder.prefix) + len(self.encoder.suffix)
+        out = {n: np.empty((len(pieces), p.width), np.float32) for n, p in self.poolers.items()}
+        batches = token_budget_batches(
+            pieces.lengths + specials, self.cfg.token_budget, self.cfg.max_batch_rows
+        )
+        for idx in batches:
+            chunk = [tokens[pieces.row[i]][pieces.start[i] : pieces.end[i]] for i in idx]
+            ids, mask = self.encoder.pad(chunk)
+            states = self.encoder.forward(ids, mask, self.layers, self.attention)
+            for name, pooler in self.poolers.items():
+                out[name][idx] = pooler(states).float().cpu().numpy()
+        return out
+
+    def _finish(self, name: str, raw: np.ndarray, pieces: Pieces, rows: int) -> np.ndarray:
+        spec = self.specs[name]
+        vectors = aggregate_windows(raw, pieces, rows, self.window_agg(name))
+        if spec.truncate_dim:
+            vectors = vectors[:, : spec.truncate_dim]
+        if spec.normalize:
+            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+            vectors = vectors / np.maximum(norms, 1e-12)
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def aggregate_windows(raw: np.ndarray, pieces: Pieces, rows: int, how: WindowAgg) -> np.ndarray:
+    """One vector per row from its pieces' vectors (pieces come in row, start order)."""
+    if len(pieces) == rows:  # one piece per row: nothing to aggregate
+        return raw[np.argsort(pieces.row, kind="stable")]
+    width = raw.shape[1]
+    if how == "first":
+        first = np.unique(pieces.row, return_index=True)[1]
+        return raw[first]
+    if how == "max":
+        out = np.full((rows, width), -np.inf, np.float32)
+        np.maximum.at(out, pieces.row, raw)
+        return out
+    weights = pieces.lengths.astype(np.float32) if how == "weighted" else np.ones(len(pieces), np.float32)
+    weights = np.maximum(weights, 1e-6)
+    sums = np.zeros((rows, width), np.float64)
+    np.add.at(sums, pieces.row, raw * weights[:, None])
+    totals = np.zeros(rows, np.float64)
+    np.add.at(totals, pieces.row, weights)
+    return (sums / totals[:, None]).astype(np.float32)
+
+
+def _needs_attention(spec: PoolerSpec) -> bool:
+    from pipeline.poolers import builtin  # noqa: F401
+    from pipeline.poolers.base import REGISTRY, build_pooler  # noqa: F401
+
+    cls = REGISTRY.get(spec.strategy or spec.name)
+    return bool(cls and cls.needs_attention)
+
+
+_CACHE: dict[str, Embedder] = {}
+_LOCK = threading.Lock()
+
+
+def get_embedder(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> Embedder:
+    """The process-wide Embedder for this config: the model is loaded once per worker."""
+    key = json.dumps(
+        [encoder.model_dump(mode="json"), [p.model_dump(mode="json") for p in poolers]],
+        sort_keys=True,
+    )
+    with _LOCK:
+        if key not in _CACHE:
+            torch.set_grad_enabled(False)
+            _CACHE[key] = Embedder(encoder, poolers)
+        return _CACHE[key]

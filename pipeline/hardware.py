@@ -1,0 +1,121 @@
+"""What this machine's hardware really does, measured once and cached.
+
+Some CPUs advertise AMX while the virtual machine they run in does not enable it: oneDNN
+then dies with SIGILL on the first bf16 matrix multiply. We never trust the flags. A child
+process multiplies bf16 and fp32 matrices; if it crashes, oneDNN is capped below AMX for
+this process (before torch runs any CPU kernel) and bf16 is measured again. The result
+(does bf16 work, how fast against fp32) is cached per machine and torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+CAPPED_ISA = "AVX512_CORE_BF16"
+
+_PROBE = r"""
+import json, time, torch
+torch.manual_seed(0)
+a, b = torch.randn(512, 384), torch.randn(384, 1536)
+def rate(dtype):
+    x, y = a.to(dtype), b.to(dtype)
+    x @ y
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(20):
+            x @ y
+        best = min(best, time.perf_counter() - t)
+    return 20 * 2 * 512 * 384 * 1536 / best / 1e9
+fp32 = rate(torch.float32)
+bf16 = rate(torch.bfloat16)
+print(json.dumps({"fp32_gflops": fp32, "bf16_gflops": bf16}))
+"""
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name")):
+                flags += line
+    except OSError:
+        flags = platform.processor()
+    import torch
+
+    return hashlib.sha256(f"{flags}|{torch.__version__}".encode()).hexdigest()[:16]
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
+    return root / f"cpu-probe-{_cpu_key()}.json"
+
+
+def _run_probe(env: dict[str, str]) -> dict | None:
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0:
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measure() -> dict:
+    env = dict(os.environ)
+    result = None if env.get("ONEDNN_MAX_CPU_ISA") else _run_probe(env)
+    if result is not None:
+        return {**result, "bf16_ok": True, "amx_traps": False}
+    env["ONEDNN_MAX_CPU_ISA"] = env.get("ONEDNN_MAX_CPU_ISA") or CAPPED_ISA
+    capped = _run_probe(env)
+    traps = not os.environ.get("ONEDNN_MAX_CPU_ISA")
+    if capped is None:
+        return {"fp32_gflops": None, "bf16_gflops": None, "bf16_ok": False, "amx_traps": traps}
+    return {**capped, "bf16_ok": True, "amx_traps": traps}
+
+
+@lru_cache(maxsize=1)
+def cpu_profile() -> dict:
+    """{'fp32_gflops', 'bf16_gflops', 'bf16_ok', 'amx_traps'} for this machine (cached)."""
+    cache = _cache_file()
+    if cache.exists():
+        try:
+            return json.loads(cache.read_text())
+        except json.JSONDecodeError:
+            pass
+    profile = _measure()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(profile))
+    return profile
+
+
+def make_cpu_bf16_safe() -> None:
+    """Cap oneDNN below AMX when AMX traps here. Must run before torch's first CPU kernel."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA") or not _advertises_amx():
+        return
+    if cpu_profile()["amx_traps"]:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = CAPPED_ISA
+
+
+def _advertises_amx() -> bool:
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def cpu_bf16_is_faster() -> bool:
+    """True when bf16 matrix work runs correctly here and faster than fp32 (by 20% or more)."""
+    profile = cpu_profile()
+    if not profile["bf16_ok"] or not profile["fp32_gflops"]:
+        return False
+    return profile["bf16_gflops"] > 1.2 * profile["fp32_gflops"]

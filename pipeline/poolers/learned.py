@@ -1,0 +1,48 @@
+"""The ``learned`` pooler: a trained PoolingHead applied to the frozen encoder's states."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.config import PoolerSpec
+from pipeline.encoder import EncoderInfo, TokenStates
+from pipeline.errors import ConfigError
+from pipeline.poolers.base import Pooler, register
+from pipeline.poolers.heads import load_head
+
+
+@register("learned")
+class Learned(Pooler):
+    """Reads the layers its head was trained on; refuses heads made for another encoder."""
+
+    def __init__(self, spec: PoolerSpec, info: EncoderInfo) -> None:
+        self.head = load_head(spec.head)
+        cfg = self.head.cfg
+        if cfg.hidden_size != info.hidden_size or cfg.num_layers != info.num_layers:
+            raise ConfigError(
+                f"pooling head {spec.head} expects an encoder with hidden size "
+                f"{cfg.hidden_size} and {cfg.num_layers} layers; this one has "
+                f"{info.hidden_size} and {info.num_layers}"
+            )
+        if cfg.model_hash != info.model_hash:
+            raise ConfigError(
+                f"pooling head {spec.head} was trained for encoder {cfg.model_hash}, "
+                f"not for {info.model} ({info.model_hash})"
+            )
+        super().__init__(spec, info)
+
+    def identity(self) -> dict:
+        return {"head_sha256": self.head.weights_sha256}
+
+    def layer_indices(self) -> tuple[int, ...]:
+        return self.head.cfg.layers
+
+    def combined_width(self) -> int:
+        return self.head.cfg.dim
+
+    def __call__(self, states: TokenStates) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.head([states.hidden[i] for i in self.layers], states.mask).float()
+
+    def pool(self, hidden: torch.Tensor, mask: torch.Tensor, states: TokenStates) -> torch.Tensor:
+        raise NotImplementedError("the learned pooler applies its head in __call__")
