@@ -1,4 +1,4 @@
-"""embedpipe library: encoders, poolers, planning, storage, sets and indexes. Never imports Prefect."""
+"""embedpipe library: encoders, poolers, planning, storage, sets, indexes. No Prefect here."""
 
 from pipeline.errors import EmbedpipeError
 from pipeline.hardware import make_cpu_bf16_safe

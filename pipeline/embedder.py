@@ -69,7 +69,8 @@ class Embedder:
 
     def embed(self, batch: TextBatch) -> EmbeddingBatch:
         if not len(batch):
-            return EmbeddingBatch([], {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()})
+            empty = {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()}
+            return EmbeddingBatch([], empty)
         tokens = self.encoder.tokenize(list(batch.texts))
         lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
         pieces = self._plan(lengths)
@@ -79,7 +80,7 @@ class Embedder:
             "rows": len(batch),
             "tokens": int(pieces.lengths.sum()),
             "windows": len(pieces),
-            "truncated": int((lengths > self.encoder.content_length).sum()) if not self.cfg.window else 0,
+            "truncated": 0 if self.cfg.window else int((lengths > pieces.lengths).sum()),
         }
         return EmbeddingBatch(list(batch.ids), vectors, stats)
 
@@ -132,8 +133,9 @@ def aggregate_windows(raw: np.ndarray, pieces: Pieces, rows: int, how: WindowAgg
         out = np.full((rows, width), -np.inf, np.float32)
         np.maximum.at(out, pieces.row, raw)
         return out
-    weights = pieces.lengths.astype(np.float32) if how == "weighted" else np.ones(len(pieces), np.float32)
-    weights = np.maximum(weights, 1e-6)
+    weights = np.ones(len(pieces), np.float32)
+    if how == "weighted":
+        weights = np.maximum(pieces.lengths.astype(np.float32), 1e-6)
     sums = np.zeros((rows, width), np.float64)
     np.add.at(sums, pieces.row, raw * weights[:, None])
     totals = np.zeros(rows, np.float64)

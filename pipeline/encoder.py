@@ -113,7 +113,9 @@ class Encoder:
         self.folder = resolve_model_dir(cfg.model)
         kwargs = {"trust_remote_code": cfg.trust_remote_code, "local_files_only": True}
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder), use_fast=True, **kwargs)
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                str(self.folder), use_fast=True, **kwargs
+            )
             attn = "eager" if need_attention else "sdpa"
             self.model = AutoModel.from_pretrained(
                 str(self.folder), attn_implementation=attn, **kwargs

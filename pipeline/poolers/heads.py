@@ -95,7 +95,8 @@ class PoolingHead(nn.Module):
         elif self.cfg.kind == "positional":
             t = states.shape[1]
             if t > self.cfg.max_positions:
-                raise ConfigError(f"positional head covers {self.cfg.max_positions} tokens, got {t}")
+                limit = self.cfg.max_positions
+                raise ConfigError(f"positional head covers {limit} tokens, got {t}")
             logits = self.position_logits[:t].unsqueeze(0).expand(states.shape[0], t)
         else:
             logits = torch.zeros(mask.shape, dtype=states.dtype, device=states.device)
