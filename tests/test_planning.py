@@ -1,0 +1,73 @@
+"""Invariants of the pure planning code: windows and token-budget batches."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.batching import padding_efficiency, token_budget_batches
+from pipeline.windows import truncate, window_starts, windows
+
+lengths_st = st.lists(st.integers(min_value=0, max_value=400), min_size=0, max_size=60)
+
+
+@given(lengths_st, st.integers(1, 64), st.integers(1, 64))
+def test_windows_cover_every_token_in_order(lengths: list[int], content: int, stride: int) -> None:
+    stride = min(stride, content)
+    pieces = windows(np.array(lengths, dtype=np.int64), content, stride)
+    assert sorted(set(pieces.row.tolist())) == list(range(len(lengths)))
+    for row, length in enumerate(lengths):
+        mine = pieces.row == row
+        starts, ends = pieces.start[mine], pieces.end[mine]
+        assert np.all(np.diff(starts) > 0), "windows of a row come in order"
+        assert np.all(ends - starts <= content)
+        assert starts[0] == 0 and ends[-1] == length, "first starts at 0, last ends at the end"
+        covered = np.zeros(length, dtype=bool)
+        for s, e in zip(starts, ends, strict=True):
+            covered[s:e] = True
+        assert covered.all()
+        if length > content:
+            assert np.all(ends - starts == content), "no short window when the text is long"
+
+
+@given(st.integers(0, 5000), st.integers(1, 512), st.integers(1, 512))
+def test_window_count_is_minimal_for_stride(length: int, content: int, stride: int) -> None:
+    stride = min(stride, content)
+    starts = window_starts(length, content, stride)
+    assert len(starts) == (1 if length <= content else -(-(length - content) // stride) + 1)
+
+
+@given(lengths_st, st.integers(1, 300))
+def test_truncate_keeps_one_piece_per_row(lengths: list[int], content: int) -> None:
+    pieces = truncate(np.array(lengths, dtype=np.int64), content)
+    assert pieces.row.tolist() == list(range(len(lengths)))
+    assert pieces.lengths.tolist() == [min(n, content) for n in lengths]
+
+
+@given(
+    st.lists(st.integers(1, 600), min_size=0, max_size=200),
+    st.integers(1, 4096),
+    st.integers(1, 64),
+)
+def test_batches_hold_every_index_once_within_budget(
+    lengths: list[int], budget: int, max_rows: int
+) -> None:
+    arr = np.array(lengths, dtype=np.int64)
+    batches = token_budget_batches(arr, budget, max_rows)
+    flat = np.concatenate(batches) if batches else np.array([], dtype=np.int64)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    for batch in batches:
+        assert 1 <= len(batch) <= max_rows
+        assert len(batch) == 1 or len(batch) * arr[batch].max() <= budget
+    longest = [int(arr[b].max()) for b in batches]
+    assert longest == sorted(longest, reverse=True), "batches go from long to short"
+    if lengths:
+        assert 0 < padding_efficiency(arr, batches) <= 1.0
+
+
+def test_sorting_by_length_wastes_little_padding() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 250, size=5000)
+    batches = token_budget_batches(lengths, 8192, 256)
+    assert padding_efficiency(lengths, batches) > 0.95
