@@ -1,0 +1,257 @@
+"""Training a pooling head over cached encoder states with in-batch negatives (InfoNCE).
+
+One forward pass of the frozen encoder fills the cache; every epoch then only runs the
+small head. Each epoch ends with exact retrieval over the held-out split (its queries
+against its distinct texts); the best epoch by MRR@k is kept, and training stops after
+``patience`` epochs without a better one.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline import storage
+from pipeline.encoder import Encoder, EncoderInfo, resolve_layer
+from pipeline.errors import ConfigError, CorpusError
+from pipeline.poolers.heads import HeadConfig, PoolingHead, save_head
+from pipeline.training.cache import StateCache, build_cache, row_bytes, row_lengths
+from pipeline.training.config import TrainConfig
+from pipeline.training.metrics import gold_ranks, mrr_at, recall_at
+from pipeline.training.pairs import Pairs, read_pairs, split_groups
+
+TRAINING_JSON = "training.json"
+Log = Callable[[str], None]
+
+
+@dataclass
+class Split:
+    """Pairs of one side of the split as cache rows; ``text_key`` tells equal texts apart."""
+
+    query: torch.Tensor
+    text: torch.Tensor
+    query_key: torch.Tensor
+    text_key: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.query)
+
+
+@dataclass
+class TrainResult:
+    head: PoolingHead
+    metrics: dict[str, float]
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
+    """Train, pick the best epoch on the held-out split, save the head under ``cfg.out``."""
+    log = log or (lambda _msg: None)
+    pairs = read_pairs(cfg.pairs, cfg.query_column, cfg.text_column, cfg.group_column)
+    train_rows, val_rows = _choose_rows(pairs, cfg)
+    encoder = Encoder(cfg.encoder)
+    info = encoder.info()
+    layers = tuple(resolve_layer(i, info.num_layers) for i in cfg.head_layers(info.num_layers))
+    started = time.perf_counter()
+    cache, train_split, val_split = _cache_states(encoder, pairs, train_rows, val_rows,
+                                                  layers, cfg, log)
+    encode_s = time.perf_counter() - started
+    del encoder
+    head = PoolingHead(head_config(cfg, info))
+    history, best_epoch, best_state = _fit(head, cache, train_split, val_split, cfg, log)
+    head.load_state_dict(best_state)
+    metrics = _summary(history, best_epoch, cfg, len(train_split), len(val_split), pairs.skipped)
+    head.cfg = head.cfg.model_copy(update={"metrics": metrics})
+    save_head(head, cfg.out)
+    storage.write_json(storage.join(cfg.out, TRAINING_JSON), {
+        "config": cfg.model_dump(mode="json"),
+        "encoder": {"model": info.model, "model_hash": info.model_hash, "dtype": info.dtype,
+                    "max_length": info.max_length},
+        "cache": {"bytes": cache.nbytes, "dtype": str(cache.flat.dtype).removeprefix("torch."),
+                  "rows": len(cache), "encode_seconds": round(encode_s, 2)},
+        "history": history,
+        "metrics": metrics,
+    })
+    return TrainResult(head.eval(), metrics, history)
+
+
+def head_config(cfg: TrainConfig, info: EncoderInfo) -> HeadConfig:
+    return HeadConfig(
+        kind=cfg.kind, hidden_size=info.hidden_size, num_layers=info.num_layers,
+        model_hash=info.model_hash, layers=cfg.head_layers(info.num_layers),
+        max_positions=info.max_length, adapter=cfg.adapter, out_dim=cfg.out_dim,
+    )
+
+
+def _choose_rows(pairs: Pairs, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Split by group, shuffle each side with the seed, cap to max_pairs / max_val_pairs."""
+    train_rows, val_rows = split_groups(pairs.group, cfg.val_fraction)
+    rng = np.random.default_rng(cfg.seed)
+    train_rows = rng.permutation(train_rows)[: cfg.max_pairs]
+    val_rows = rng.permutation(val_rows)[: cfg.max_val_pairs]
+    if len(train_rows) < 2 or len(val_rows) < 2:
+        raise CorpusError(
+            f"{cfg.pairs}: the split left {len(train_rows)} training and {len(val_rows)} "
+            "held-out pairs; each side needs at least 2 (add pairs or groups, or change "
+            "val_fraction)"
+        )
+    return train_rows, val_rows
+
+
+def _cache_states(encoder: Encoder, pairs: Pairs, train_rows: np.ndarray, val_rows: np.ndarray,
+                  layers: tuple[int, ...], cfg: TrainConfig,
+                  log: Log) -> tuple[StateCache, Split, Split]:
+    """Fit the pairs into the memory budget, then encode each distinct string once."""
+    dtype = torch.bfloat16 if cfg.token_level and cfg.cache_dtype != "fp32" else torch.float32
+    if cfg.cache_dtype == "bf16":
+        dtype = torch.bfloat16
+    used = np.unique(np.concatenate([*pairs.subset(train_rows), *pairs.subset(val_rows)]))
+    tokens = encoder.tokenize([pairs.strings[i] for i in used])
+    cost = np.zeros(len(pairs.strings), np.int64)
+    cost[used] = row_bytes(row_lengths(encoder, tokens), len(layers), encoder.hidden_size,
+                           cfg.token_level, torch.empty(0, dtype=dtype).element_size())
+    train_rows = _fit_budget(pairs, train_rows, val_rows, cost, cfg, log)
+    kept = np.unique(np.concatenate([*pairs.subset(train_rows), *pairs.subset(val_rows)]))
+    position = {s: i for i, s in enumerate(used)}
+    kept_tokens = [tokens[position[s]] for s in kept]
+    log(f"encoding {len(kept)} distinct queries and texts once "
+        f"({len(train_rows)} training, {len(val_rows)} held-out pairs)")
+    from tqdm import tqdm
+
+    with tqdm(total=len(kept), desc="encoding", unit="text", leave=False,
+              disable=not sys.stderr.isatty()) as bar:
+        cache = build_cache(encoder, kept_tokens, layers, cfg.token_level, dtype, bar.update)
+    row_of = np.full(len(pairs.strings), -1, np.int64)
+    row_of[kept] = np.arange(len(kept))
+    return cache, _split(pairs, train_rows, row_of), _split(pairs, val_rows, row_of)
+
+
+def _fit_budget(pairs: Pairs, train_rows: np.ndarray, val_rows: np.ndarray, cost: np.ndarray,
+                cfg: TrainConfig, log: Log) -> np.ndarray:
+    """The longest prefix of the (shuffled) training pairs whose states fit the budget."""
+    q, t = pairs.subset(val_rows)
+    val_bytes = int(cost[np.unique(np.concatenate([q, t]))].sum())
+    q, t = pairs.subset(train_rows)
+    room = cfg.memory_budget - val_bytes
+    n_fit = int(np.searchsorted(np.cumsum(cost[q] + cost[t]), room, side="right"))
+    if n_fit < 2:
+        raise ConfigError(
+            f"memory_budget {cfg.memory_budget} bytes is too small: the held-out pairs alone "
+            f"need {val_bytes} bytes of cached states (raise --memory-budget or lower "
+            "--max-pairs / the number of layers)"
+        )
+    if n_fit < len(train_rows):
+        log(f"caching {n_fit} of {len(train_rows)} training pairs to stay within the "
+            f"memory budget of {cfg.memory_budget} bytes")
+    return train_rows[:n_fit]
+
+
+def _split(pairs: Pairs, rows: np.ndarray, row_of: np.ndarray) -> Split:
+    q, t = pairs.subset(rows)
+    return Split(*(torch.from_numpy(a) for a in (row_of[q], row_of[t], q, t)))
+
+
+def _fit(head: PoolingHead, cache: StateCache, train_split: Split, val_split: Split,
+         cfg: TrainConfig, log: Log) -> tuple[list[dict], int, dict]:
+    """Epochs of InfoNCE with early stopping: the history, the best epoch and its weights."""
+    k = cfg.k
+    first = evaluate(head, cache, val_split, k)
+    history = [{"epoch": 0, "train_loss": None, **first}]
+    log(f"epoch 0 (untrained head): held-out MRR@{k} {first[f'mrr@{k}']:.4f}")
+    best, best_state, best_epoch, stale = first[f"mrr@{k}"], _copy(head), 0, 0
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    for epoch in range(1, cfg.epochs + 1):
+        loss = _epoch(head, optimizer, cache, train_split, cfg, generator)
+        scores = evaluate(head, cache, val_split, k)
+        history.append({"epoch": epoch, "train_loss": loss, **scores})
+        log(f"epoch {epoch}: train loss {loss:.4f}, held-out MRR@{k} {scores[f'mrr@{k}']:.4f}, "
+            f"recall@{k} {scores[f'recall@{k}']:.4f}")
+        if scores[f"mrr@{k}"] > best + 1e-6:
+            best, best_state, best_epoch, stale = scores[f"mrr@{k}"], _copy(head), epoch, 0
+        else:
+            stale += 1
+            if stale >= cfg.patience:
+                log(f"early stop: no better held-out MRR@{k} for {stale} epochs")
+                break
+    return history, best_epoch, best_state
+
+
+def _copy(head: PoolingHead) -> dict:
+    return copy.deepcopy(head.state_dict())
+
+
+def _epoch(head: PoolingHead, optimizer: torch.optim.Optimizer, cache: StateCache,
+           split: Split, cfg: TrainConfig, generator: torch.Generator) -> float:
+    head.train()
+    order = torch.randperm(len(split), generator=generator)
+    losses = []
+    with torch.enable_grad():
+        for start in range(0, len(order), cfg.batch_size):
+            batch = order[start : start + cfg.batch_size]
+            if len(batch) < 2:  # one pair has no in-batch negative
+                continue
+            loss = info_nce(head, cache, split, batch, cfg.temperature)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    head.eval()
+    return float(np.mean(losses))
+
+
+def info_nce(head: PoolingHead, cache: StateCache, split: Split, batch: torch.Tensor,
+             temperature: float) -> torch.Tensor:
+    """Symmetric InfoNCE over the batch; equal texts or queries are not counted as negatives."""
+    q = F.normalize(head(*cache.batch(split.query[batch])), dim=-1)
+    t = F.normalize(head(*cache.batch(split.text[batch])), dim=-1)
+    logits = q @ t.T / temperature
+    tk, qk = split.text_key[batch], split.query_key[batch]
+    same = (tk[:, None] == tk[None, :]) | (qk[:, None] == qk[None, :])
+    same.fill_diagonal_(False)
+    logits = logits.masked_fill(same, float("-inf"))
+    target = torch.arange(len(batch))
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+
+@torch.no_grad()
+def head_vectors(head: PoolingHead, cache: StateCache, rows: torch.Tensor,
+                 batch_size: int = 512) -> np.ndarray:
+    """Unit-length head outputs for cache ``rows``."""
+    out = [F.normalize(head(*cache.batch(rows[s : s + batch_size])), dim=-1)
+           for s in range(0, len(rows), batch_size)]
+    return torch.cat(out).numpy()
+
+
+def evaluate(head: PoolingHead, cache: StateCache, split: Split, k: int) -> dict[str, float]:
+    """Exact search of each held-out query over the distinct held-out texts."""
+    head.eval()
+    texts, gold = torch.unique(split.text, return_inverse=True)
+    ranks = gold_ranks(head_vectors(head, cache, split.query), head_vectors(head, cache, texts),
+                       gold.numpy())
+    return {f"mrr@{k}": mrr_at(ranks, k), f"recall@{k}": recall_at(ranks, k)}
+
+
+def _summary(history: list[dict], best_epoch: int, cfg: TrainConfig, n_train: int, n_val: int,
+             skipped: int) -> dict[str, float]:
+    k = cfg.k
+    best = history[best_epoch]
+    first = history[0]
+    return {
+        f"val_mrr@{k}": best[f"mrr@{k}"],
+        f"val_recall@{k}": best[f"recall@{k}"],
+        f"val_mrr@{k}_untrained": first[f"mrr@{k}"],
+        f"val_recall@{k}_untrained": first[f"recall@{k}"],
+        "best_epoch": float(best["epoch"]),
+        "epochs_run": float(len(history) - 1),
+        "train_pairs": float(n_train),
+        "val_pairs": float(n_val),
+        "skipped_pairs": float(skipped),
+    }
