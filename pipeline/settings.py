@@ -1,0 +1,114 @@
+"""Deployment settings: ``EMBEDPIPE_*`` environment variables over an optional TOML file.
+
+One image serves every deployment: the GPU pool sets ``EMBEDPIPE_DEVICE=cuda``, a laptop
+leaves it ``auto``, the local stack points ``EMBEDPIPE_S3_ENDPOINT`` at MinIO. Settings are
+*defaults*: a flag on the command line or a field in a job always wins over them.
+
+Precedence (highest first): explicit job fields / flags > environment > the file named by
+``EMBEDPIPE_CONFIG`` > built-in defaults. The file holds the same keys, lower-case, at top
+level (``device = "cuda"``); an unknown key or a bad value fails with one line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from pipeline.config import Device, DType, Runner, load_toml
+from pipeline.errors import ConfigError
+
+ENV_PREFIX = "EMBEDPIPE_"
+CONFIG_ENV = "EMBEDPIPE_CONFIG"
+# Settings that other modules (storage, hardware probe cache) and child processes read from the
+# environment: a value that came from the file is exported so they all see the same one.
+_EXPORTED = {"s3_endpoint": "EMBEDPIPE_S3_ENDPOINT", "cache": "EMBEDPIPE_CACHE"}
+
+
+class Settings(BaseSettings):
+    """Defaults for every job this installation runs."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    model: str | None = None  # folder or HF name; None = the packaged all-MiniLM-L6-v2
+    device: Device = "auto"
+    dtype: DType = "auto"
+    runner: Runner = "threads"
+    dask_address: str | None = None
+    s3_endpoint: str | None = None  # an S3-compatible store (MinIO); None = AWS
+    cache: Path | None = None  # hardware probe cache; default ~/.cache/embedpipe
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        path = os.environ.get(CONFIG_ENV)
+        if path:
+            load_toml(path)  # a missing or malformed file fails here, with its path
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=path),)
+        return sources
+
+    def job_defaults(self) -> dict[str, Any]:
+        """The part of an EmbedJob (as a dict) these settings provide."""
+        encoder = {"device": self.device, "dtype": self.dtype}
+        if self.model is not None:
+            encoder["model"] = self.model
+        job: dict[str, Any] = {"encoder": encoder, "runner": self.runner}
+        if self.dask_address is not None:
+            job["dask_address"] = self.dask_address
+        return job
+
+    def apply_to_job(self, job: dict[str, Any]) -> dict[str, Any]:
+        """``job`` with every field it leaves out (or sets to None) taken from these settings."""
+        return _merge_missing(job, self.job_defaults())
+
+    def export_env(self) -> None:
+        """Put file-given values that other modules read from the environment into it."""
+        for field, var in _EXPORTED.items():
+            value = getattr(self, field)
+            if value is not None and not os.environ.get(var):
+                os.environ[var] = str(value)
+
+
+def load_settings() -> Settings:
+    """Read the settings; a bad value fails with one line naming the variable or file."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        source = os.environ.get(CONFIG_ENV)
+        where = f"{ENV_PREFIX}* variables" + (f" or {source}" if source else "")
+        problems = "; ".join(
+            f"{_name(err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid settings ({where}): {problems}") from None
+
+
+def _name(loc: tuple) -> str:
+    field = ".".join(str(p) for p in loc) or "settings"
+    return f"{field} ({ENV_PREFIX}{field.upper()})"
+
+
+def _merge_missing(job: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Fill keys that ``job`` leaves out or sets to None (None = "no choice made")."""
+    merged = dict(job)
+    for key, value in defaults.items():
+        current = merged.get(key)
+        if current is None:
+            merged[key] = value
+        elif isinstance(value, dict) and isinstance(current, dict):
+            merged[key] = _merge_missing(current, value)
+    return merged
