@@ -1,0 +1,159 @@
+"""Prefect flows over ``pipeline.run``: embed, backfill and the nightly incremental run.
+
+Each flow validates the job, plans and checks everything in the flow (``prepare``), runs one
+Prefect task per shard on the chosen task runner, then records the run (``finalize``). Task
+retries (bounded) cover transient errors; errors in the input are never retried.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+
+from pipeline import sets
+from pipeline.config import EmbedJob, parse
+from pipeline.errors import ConfigError, CorpusError, EmbedpipeError, FingerprintError, ModelError
+from pipeline.job import ShardRequest, ShardResult, embed_shard
+from pipeline.run import RunPlan, finalize, prepare
+
+TASK_RETRIES = 2
+
+
+class ShardFailed(EmbedpipeError):
+    """A shard kept failing after its retries; the run can be resumed."""
+
+PERMANENT = (CorpusError, ConfigError, FingerprintError, ModelError)
+
+
+def _transient(task, task_run, state) -> bool:
+    """Retry anything but errors in the input or configuration (those fail the same again)."""
+    try:
+        state.result()
+    except PERMANENT:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(
+    name="embed-shard",
+    task_run_name="shard {request[shard][id]}",
+    retries=TASK_RETRIES,
+    retry_delay_seconds=1,
+    retry_condition_fn=_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def embed_shard_task(request: dict) -> dict:
+    """One shard into every set that needs it (the model comes from the worker's cache)."""
+    return embed_shard(ShardRequest.model_validate(request)).model_dump()
+
+
+def make_runner(job: EmbedJob) -> TaskRunner:
+    """The task runner named by the job: threads, processes, or Dask (address or local)."""
+    if job.runner == "threads":
+        return ThreadPoolTaskRunner(max_workers=job.workers)
+    if job.runner == "processes":
+        return ProcessPoolTaskRunner(max_workers=job.workers)
+    from prefect_dask import DaskTaskRunner
+
+    if job.dask_address:
+        return DaskTaskRunner(address=job.dask_address)
+    return DaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={
+            "n_workers": job.workers,
+            "threads_per_worker": 1,
+            "processes": True,
+            "dashboard_address": None,
+        },
+    )
+
+
+def _run_shards(plan: RunPlan, progress: bool) -> list[ShardResult]:
+    """Submit every shard, wait for all, then raise the first failure (if any)."""
+    results: list[ShardResult] = []
+    failure: tuple[str, Exception] | None = None
+    bar = _bar(plan, progress)
+    with make_runner(plan.job) as runner:
+        futures = {
+            runner.submit(embed_shard_task, {"request": r.model_dump(mode="json")}): r.shard.id
+            for r in plan.requests
+        }
+        for future in as_completed(list(futures)):
+            try:
+                result = ShardResult.model_validate(future.result())
+            except Exception as exc:  # keep the others running: their shards will be done
+                failure = failure or (futures[future], exc)
+                continue
+            results.append(result)
+            if bar is not None:
+                bar.update(result.rows + sum(result.skipped.values()))
+    if bar is not None:
+        bar.close()
+    if failure is not None:
+        shard, exc = failure
+        if isinstance(exc, EmbedpipeError):
+            raise exc
+        raise ShardFailed(
+            f"shard {shard} failed after {TASK_RETRIES} retries: {type(exc).__name__}: {exc}; "
+            f"{len(results)}/{len(plan.requests)} shards finished, rerun to resume"
+        ) from exc
+    return results
+
+
+def _bar(plan: RunPlan, progress: bool) -> Any:
+    if not (progress and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=plan.rows_todo, unit="rows", unit_scale=True, desc="embed", file=sys.stderr)
+
+
+def _run(job: dict, verify: bool, progress: bool) -> dict:
+    from pipeline.embedder import get_embedder
+
+    started = time.perf_counter()
+    spec = parse(EmbedJob, job, "embedding job")
+    embedder = get_embedder(spec.encoder, spec.poolers)
+    plan = prepare(spec, embedder, verify=verify)
+    logger = get_run_logger()
+    logger.info(
+        "%d shards planned, %d already done, %d to run",
+        len(plan.shards),
+        plan.done_shards,
+        len(plan.requests),
+    )
+    results = _run_shards(plan, progress) if plan.requests else []
+    summary = finalize(plan, results, time.perf_counter() - started)
+    logger.info(summary.line())
+    return summary.model_dump() | {"line": summary.line()}
+
+
+@flow(name="embed")
+def embed_flow(job: dict, progress: bool = False) -> dict:
+    """Embed a corpus into every configured set; resumes where an earlier run stopped."""
+    return _run(job, verify=False, progress=progress)
+
+
+@flow(name="backfill")
+def backfill_flow(job: dict, progress: bool = False) -> dict:
+    """Add the job's sets to an OUT that already has sets, leaving the existing ones alone."""
+    spec = parse(EmbedJob, job, "backfill job")
+    existing = sets.list_sets(spec.out)
+    if not existing:
+        raise ConfigError(f"{spec.out} has no sets to backfill next to; use `embedpipe embed`")
+    return _run(job, verify=False, progress=progress)
+
+
+@flow(name="nightly")
+def nightly_flow(job: dict, progress: bool = False) -> dict:
+    """Incremental run: re-read every shard, embed only new or changed rows, record deletions."""
+    return _run(job, verify=True, progress=progress)

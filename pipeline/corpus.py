@@ -1,0 +1,294 @@
+"""Read a Parquet corpus: describe its files, find duplicate ids, stream a shard's valid rows.
+
+Only the id and text columns are ever read, one row group at a time, so memory is bounded
+by the largest row group, never by the corpus. Every row is either handed on (valid id,
+non-blank string text) or skipped with a reason from ``SKIP_REASONS``; nothing disappears.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict
+
+from pipeline import storage
+from pipeline.errors import CorpusError, StorageError
+from pipeline.shards import FileLayout, Shard
+
+SKIP_REASONS = ("null_id", "null_text", "not_string", "empty_text", "duplicate_id")
+_GLOB = "*?["
+
+
+class CorpusInfo(BaseModel):
+    """The corpus as planned: its files (relative names, row groups) and the id column type."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+    files: tuple[FileLayout, ...]
+    id_type: str  # "int64", "string", ...: every part of every set stores ids as this type
+    rows: int
+
+
+def describe(url: str, id_column: str, text_column: str) -> CorpusInfo:
+    """Open every file's footer, check columns and id types; fail with one line if unusable."""
+    urls = storage.expand_parquet(url)
+    root = _root_path(url)
+    layouts, id_types = [], {}
+    for file_url in urls:
+        meta, schema = _footer(file_url)
+        missing = [c for c in (id_column, text_column) if c not in schema.names]
+        if missing:
+            raise CorpusError(
+                f"{file_url} has no column {', '.join(map(repr, missing))} "
+                f"(its columns: {', '.join(schema.names)}); pass --id-column/--text-column"
+            )
+        id_types[file_url] = _id_type(schema.field(id_column).type, file_url, id_column)
+        groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+        layouts.append(
+            FileLayout(
+                name=_relative(file_url, root),
+                url=file_url,
+                group_rows=tuple(g.num_rows for g in groups),
+                group_bytes=tuple(g.total_byte_size for g in groups),
+            )
+        )
+    kinds = {"int" if pa.types.is_integer(t) else "str" for t in id_types.values()}
+    if len(kinds) > 1:
+        listed = ", ".join(f"{u}: {t}" for u, t in list(id_types.items())[:4])
+        raise CorpusError(f"id column {id_column!r} has different types across files ({listed})")
+    rows = sum(sum(f.group_rows) for f in layouts)
+    if rows == 0:
+        raise CorpusError(f"corpus {url} is empty: {len(urls)} Parquet file(s), 0 rows")
+    id_type = "int64" if kinds == {"int"} else "string"
+    return CorpusInfo(url=url, files=tuple(layouts), id_type=id_type, rows=rows)
+
+
+def _footer(file_url: str) -> tuple[pq.FileMetaData, pa.Schema]:
+    try:
+        pf = storage.parquet_file(file_url)
+        return pf.metadata, pf.schema_arrow
+    except StorageError as exc:
+        raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {exc}") from None
+    except (OSError, pa.ArrowException) as exc:
+        raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {exc}") from None
+
+
+def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
+    if pa.types.is_integer(dtype) or pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+        return dtype
+    raise CorpusError(
+        f"id column {column!r} of {file_url} is {dtype}; ids must be integers or strings"
+    )
+
+
+def _root_path(url: str) -> str:
+    """The fixed folder of a corpus URL: file names are stored relative to it."""
+    fs, path = storage.filesystem(url)
+    if any(ch in path for ch in _GLOB):
+        static = path[: min(path.index(ch) for ch in _GLOB if ch in path)]
+        return static.rsplit("/", 1)[0]
+    with storage.explained(url, "open"):
+        return path.rstrip("/") if fs.isdir(path) else os.path.dirname(path)
+
+
+def _relative(file_url: str, root: str) -> str:
+    _, path = storage.filesystem(file_url)
+    root = root.rstrip("/")
+    return path[len(root) + 1 :] if root and path.startswith(root + "/") else path.lstrip("/")
+
+
+def arrow_id_type(id_type: str) -> pa.DataType:
+    return pa.int64() if id_type == "int64" else pa.string()
+
+
+# ---- content hashes and id keys -------------------------------------------------------------
+
+
+def text_hash(text: str) -> int:
+    """64-bit content hash of a text (what nightly runs compare to find changed rows)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def id_keys(ids: pa.Array) -> np.ndarray:
+    """A uint64 key per non-null id: the value itself for integers, a hash for strings."""
+    ids = ids.drop_null()
+    if pa.types.is_integer(ids.type):
+        return ids.cast(pa.int64()).to_numpy(zero_copy_only=False).view(np.uint64)
+    return np.fromiter(
+        (text_hash(v) for v in ids.to_pylist()), dtype=np.uint64, count=len(ids)
+    )
+
+
+# ---- duplicate ids --------------------------------------------------------------------------
+
+
+class Duplicates(BaseModel):
+    """Ids seen more than once: ``drop`` maps file name -> row numbers of the later copies."""
+
+    examples: list[str] = []
+    rows: int = 0  # rows that are later copies of an earlier id
+    drop: dict[str, list[int]] = {}
+
+    def describe(self) -> str:
+        shown = ", ".join(self.examples[:5])
+        return f"{self.rows} row(s) repeat an earlier id; first duplicates: {shown}"
+
+
+def find_duplicates(info: CorpusInfo, id_column: str) -> Duplicates:
+    """Two streaming passes over the id column only: 8 bytes per row stay in memory."""
+    keys = [id_keys(batch) for _, _, batch in _id_batches(info, id_column)]
+    if not keys:
+        return Duplicates()
+    every = np.sort(np.concatenate(keys))
+    repeated = np.unique(every[1:][every[1:] == every[:-1]])
+    if not len(repeated):
+        return Duplicates()
+    seen: dict[object, int] = {}
+    drop: dict[str, list[int]] = {}
+    examples: list[str] = []
+    for name, start, batch in _id_batches(info, id_column):
+        values = batch.to_pylist()
+        for i, value in enumerate(values):
+            if value is None or not _maybe_repeated(value, repeated):
+                continue
+            seen[value] = seen.get(value, 0) + 1
+            if seen[value] > 1:
+                drop.setdefault(name, []).append(start + i)
+                if seen[value] == 2 and len(examples) < 10:
+                    examples.append(repr(value))
+    return Duplicates(examples=examples, rows=sum(map(len, drop.values())), drop=drop)
+
+
+def _maybe_repeated(value: object, repeated: np.ndarray) -> bool:
+    key = np.uint64(np.int64(value).view(np.uint64)) if isinstance(value, int) else text_hash(value)
+    i = np.searchsorted(repeated, np.uint64(key))
+    return bool(i < len(repeated) and repeated[i] == key)
+
+
+def _id_batches(info: CorpusInfo, id_column: str) -> Iterator[tuple[str, int, pa.Array]]:
+    for layout in info.files:
+        pf = _open(layout.url)
+        start = 0
+        for batch in pf.iter_batches(batch_size=65_536, columns=[id_column]):
+            column = batch.column(0)
+            yield layout.name, start, column
+            start += len(column)
+
+
+def _open(url: str) -> pq.ParquetFile:
+    try:
+        return storage.parquet_file(url)
+    except StorageError as exc:
+        raise CorpusError(f"corrupt or unreadable Parquet file {url}: {exc}") from None
+
+
+# ---- reading a shard ------------------------------------------------------------------------
+
+
+@dataclass
+class Chunk:
+    """One row group of a shard, validated: the rows to embed and the rows skipped."""
+
+    ids: pa.Array  # valid ids, as the corpus id type
+    texts: list[str]
+    hashes: np.ndarray  # uint64 content hash per valid row
+    skipped_ids: pa.Array  # ids of skipped rows (may hold nulls)
+    skipped_rows: list[int] = field(default_factory=list)  # file row numbers
+    skipped_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for reason in self.skipped_reasons:
+            out[reason] = out.get(reason, 0) + 1
+        return out
+
+
+def read_shard(
+    shard: Shard,
+    id_column: str,
+    text_column: str,
+    id_type: str,
+    drop_rows: frozenset[int] = frozenset(),
+) -> Iterator[Chunk]:
+    """Stream a shard one row group at a time (ids and texts only)."""
+    pf = _open(shard.url)
+    start = shard.offset
+    target = arrow_id_type(id_type)
+    for group in shard.groups:
+        try:
+            table = pf.read_row_group(group, columns=[id_column, text_column])
+        except (OSError, pa.ArrowException) as exc:
+            raise CorpusError(
+                f"corrupt Parquet file {shard.url}: row group {group} unreadable: {exc}"
+            ) from None
+        ids = table.column(id_column).combine_chunks().cast(target)
+        yield validate(ids, table.column(text_column).combine_chunks(), start, drop_rows)
+        start += table.num_rows
+
+
+def validate(ids: pa.Array, texts: pa.Array, start: int, drop_rows: frozenset[int]) -> Chunk:
+    """Split rows into valid ones and skipped ones with a reason each."""
+    values = _texts(texts)
+    id_null = ids.is_null().to_numpy(zero_copy_only=False)
+    keep, texts_out, hashes = [], [], []
+    bad_idx, bad_reasons = [], []
+    for i, text in enumerate(values):
+        reason = _reason(bool(id_null[i]), start + i in drop_rows, text)
+        if reason:
+            bad_idx.append(i)
+            bad_reasons.append(reason)
+        else:
+            keep.append(i)
+            texts_out.append(text)
+            hashes.append(text_hash(text))
+    return Chunk(
+        ids=ids.take(pa.array(keep, pa.int64())),
+        texts=texts_out,
+        hashes=np.array(hashes, dtype=np.uint64),
+        skipped_ids=ids.take(pa.array(bad_idx, pa.int64())),
+        skipped_rows=[start + i for i in bad_idx],
+        skipped_reasons=bad_reasons,
+    )
+
+
+_NOT_STRING = object()
+
+
+def _texts(texts: pa.Array) -> list:
+    """Python values of the text column; anything that is not text becomes ``_NOT_STRING``."""
+    if pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type):
+        return texts.to_pylist()
+    if pa.types.is_binary(texts.type) or pa.types.is_large_binary(texts.type):
+        return [_decode(v) for v in texts.to_pylist()]
+    return [None if v is None else _NOT_STRING for v in texts.to_pylist()]
+
+
+def _decode(value: bytes | None) -> object:
+    if value is None:
+        return None
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return _NOT_STRING
+
+
+def _reason(id_null: bool, duplicate: bool, text: object) -> str | None:
+    if id_null:
+        return "null_id"
+    if duplicate:
+        return "duplicate_id"
+    if text is None:
+        return "null_text"
+    if not isinstance(text, str):
+        return "not_string"
+    if not text.strip():
+        return "empty_text"
+    return None

@@ -1,0 +1,237 @@
+"""A whole embedding run, minus the orchestration: check and plan before, record after.
+
+``prepare`` does every check that can fail before any vector is computed (columns, corrupt
+files, empty corpus, duplicate ids, sets of another fingerprint), claims the sets and lists
+the shard requests still to run. ``finalize`` runs once every shard succeeded: it retires
+shards no longer in the plan, writes the run's ``_changes`` file and updates ``_SET.json``.
+
+Generations: a run works on generation ``g = stored + 1`` of each set and stamps every marker
+it writes with ``g``. A crashed run leaves ``_SET.json`` at ``g - 1``, so its rerun works on
+the same ``g`` and finds the markers written before the crash: the changes file it writes
+covers both attempts. A run that changes nothing leaves the generation as it was.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from pipeline import sets
+from pipeline.config import EmbedJob, stable_hash
+from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates
+from pipeline.errors import CorpusError
+from pipeline.job import SetWork, ShardRequest, ShardResult
+from pipeline.shards import Shard, plan_shards
+
+
+class RunPlan(BaseModel):
+    job: EmbedJob
+    corpus: CorpusInfo
+    shards: list[Shard]
+    generation: dict[str, int]
+    requests: list[ShardRequest]
+    duplicates: Duplicates
+
+    @property
+    def done_shards(self) -> int:
+        return len(self.shards) - len(self.requests)
+
+    @property
+    def rows_todo(self) -> int:
+        return sum(r.shard.rows for r in self.requests)
+
+
+class RunSummary(BaseModel):
+    sets: list[str]
+    shards: int
+    shards_run: int
+    rows: int  # valid rows in the corpus (each is in every set exactly once)
+    embedded: int  # rows that went through the encoder in this run
+    reused: int
+    removed: int
+    skipped: dict[str, int]
+    generation: dict[str, int]
+    seconds: float = 0.0
+
+    @property
+    def docs_per_s(self) -> float:
+        return self.embedded / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self, verb: str = "embedded") -> str:
+        skipped = sum(self.skipped.values())
+        why = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items()))
+        return (
+            f"{verb} {self.embedded:,} rows ({self.reused:,} reused, {self.removed:,} removed); "
+            f"{self.rows:,} rows in {len(self.sets)} set(s) [{', '.join(self.sets)}]; "
+            f"{self.shards_run}/{self.shards} shards run in {self.seconds:.1f}s, "
+            f"{self.docs_per_s:,.0f} docs/s; skipped {skipped:,} rows"
+            + (f" ({why})" if why else "")
+        )
+
+
+def set_meta(embedder, job: EmbedJob, name: str, id_type: str) -> sets.SetMeta:
+    """The metadata a set made by this job and embedder must carry."""
+    spec = embedder.specs[name]
+    info = embedder.info
+    window = job.encoder.window
+    return sets.SetMeta(
+        name=name,
+        fingerprint=embedder.fingerprint(name),
+        model=info.model,
+        model_hash=info.model_hash,
+        encoder=job.encoder.model_dump(mode="json"),
+        pooler=spec.model_dump(mode="json"),
+        dim=embedder.dims()[name],
+        dtype=info.dtype,
+        normalize=spec.normalize,
+        max_length=info.max_length,
+        window=window.model_dump(mode="json") if window else None,
+        id_type=id_type,
+    )
+
+
+def prepare(job: EmbedJob, embedder, verify: bool = False) -> RunPlan:
+    """Check everything, claim the sets, list the shards to run.
+
+    ``verify`` (nightly runs) re-reads every shard and compares content hashes; otherwise a
+    shard whose marker matches its row-group signature is taken as done without reading it.
+    """
+    corpus = describe(job.corpus, job.id_column, job.text_column)
+    shards = plan_shards(corpus.files, job.rows_per_shard)
+    duplicates = find_duplicates(corpus, job.id_column)
+    if duplicates.rows and not job.dedupe:
+        raise CorpusError(
+            f"duplicate ids in {job.corpus}: {duplicates.describe()}; "
+            "pass --dedupe to keep the first row of each id"
+        )
+    metas = {
+        spec.name: sets.claim(job.out, set_meta(embedder, job, spec.name, corpus.id_type))
+        for spec in job.poolers
+    }
+    generation = {name: meta.generation + 1 for name, meta in metas.items()}
+    markers = {name: sets.read_markers(job.out, name) for name in metas}
+    requests = []
+    for shard in shards:
+        drop = _drops(duplicates, shard)
+        signature = stable_hash([shard.signature, drop]) if drop else shard.signature
+        work = [
+            _set_work(shard, markers[name], name)
+            for name in metas
+            if verify or not _done(markers[name].get(shard.id), signature)
+        ]
+        if work:
+            requests.append(
+                ShardRequest(
+                    job=job,
+                    shard=shard,
+                    signature=signature,
+                    id_type=corpus.id_type,
+                    generation=generation,
+                    sets=work,
+                    drop_rows=drop,
+                )
+            )
+    return RunPlan(
+        job=job,
+        corpus=corpus,
+        shards=shards,
+        generation=generation,
+        requests=requests,
+        duplicates=duplicates,
+    )
+
+
+def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:
+    rows = duplicates.drop.get(shard.file, [])
+    return [r for r in rows if shard.offset <= r < shard.offset + shard.rows]
+
+
+def _done(marker: sets.ShardMarker | None, signature: str) -> bool:
+    return marker is not None and marker.signature == signature
+
+
+def _set_work(shard: Shard, markers: dict[str, sets.ShardMarker], name: str) -> SetWork:
+    previous = [
+        m.shard
+        for m in markers.values()
+        if shard.overlaps(m.file, m.first_group, m.end_group)
+    ]
+    return SetWork(name=name, previous=sorted(previous), prior=markers.get(shard.id))
+
+
+def finalize(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSummary:
+    """Retire shards gone from the plan, write the changes file and ``_SET.json`` per set."""
+    job = plan.job
+    planned = {s.id for s in plan.shards}
+    final_gen, rows, skipped, deleted_counts = {}, 0, {}, []
+    for spec in job.poolers:
+        name, g = spec.name, plan.generation[spec.name]
+        markers = sets.read_markers(job.out, name)
+        _retire(job.out, name, markers, planned, g)
+        live = [m for sid, m in markers.items() if sid in planned]
+        parts = [sets.part_name(m.shard) for m in live if m.generation == g and m.rows]
+        removed = sets.removed_ids(job.out, name, g)
+        deleted = _left_the_set(job.out, name, removed, [m.shard for m in live])
+        deleted_counts.append(len(deleted))
+        changed = bool(parts or removed)
+        rows = sum(m.rows for m in live)
+        skipped = _add_counts([m.skipped for m in live])
+        meta = sets.read_meta(job.out, name).model_copy(
+            update={
+                "shards_done": len(live),
+                "rows_written": rows,
+                "rows_skipped": skipped,
+                "generation": g if changed else g - 1,
+            }
+        )
+        if changed:
+            sets.write_changes(job.out, name, g, parts, deleted)
+        sets.write_meta(job.out, meta)
+        sets.clear_removed(job.out, name, g)
+        final_gen[name] = meta.generation
+    return RunSummary(
+        sets=[p.name for p in job.poolers],
+        shards=len(plan.shards),
+        shards_run=len(results),
+        rows=rows,
+        embedded=sum(r.embedded for r in results),
+        reused=_reused(results),
+        removed=max(deleted_counts, default=0),
+        skipped=skipped,
+        generation=final_gen,
+        seconds=seconds,
+    )
+
+
+def _retire(out: str, name: str, markers: dict, planned: set[str], g: int) -> None:
+    """Shards no longer planned: record their ids as removed, then delete part and marker."""
+    for sid in [sid for sid in markers if sid not in planned]:
+        ids, _, _ = sets.read_hashes(out, name, sid)
+        sets.record_removed(out, name, g, sid, ids.to_pylist())
+        sets.remove_part(out, name, sid)
+        sets.remove_marker(out, name, sid)
+
+
+def _left_the_set(out: str, name: str, removed: list, live_shards: list[str]) -> list:
+    """Removed ids that are not in any live part (ids that moved to another shard stay)."""
+    if not removed:
+        return []
+    gone = dict.fromkeys(removed)
+    for sid in live_shards:
+        ids, _, _ = sets.read_hashes(out, name, sid)
+        for i in ids.to_pylist():
+            gone.pop(i, None)
+        if not gone:
+            break
+    return list(gone)
+
+
+def _add_counts(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _reused(results: list[ShardResult]) -> int:
+    return sum(max((s.reused for s in r.sets), default=0) for r in results)
