@@ -246,31 +246,33 @@ def parquet_file(url: str) -> pq.ParquetFile:
             raise StorageError(f"{url} is not a readable Parquet file: {exc}") from None
 
 
-def _ls(url: str, kind: str) -> list[str]:
-    """Entries of type ``kind`` ("file" or "directory") directly under folder ``url``."""
+def _ls(url: str, kinds: tuple[str, ...]) -> list[str]:
+    """Entries of the given types ("file", "directory") directly under folder ``url``."""
     fs, path = filesystem(url)
     with explained(url, "list"):
         entries = fs.ls(path, detail=True) if fs.exists(path) else []
     if not entries:
         _require_bucket(fs, url, "list")
     return sorted(
-        _as_url(url, e["name"]) for e in entries
-        if e["type"] == kind and e["name"].rstrip("/") != path.rstrip("/")
+        _as_url(url, e["name"].rstrip("/")) for e in entries
+        if e["type"] in kinds and e["name"].rstrip("/") != path.rstrip("/")
         and not os.path.basename(e["name"].rstrip("/")).startswith(".")
     )
 
 
 def list_files(url: str, suffix: str = "") -> list[str]:
-    """Files directly under folder ``url`` whose names end with ``suffix``, sorted, as URLs.
+    """Entries directly under folder ``url`` whose names end with ``suffix``, sorted, as URLs.
 
-    A folder that does not exist lists as empty; on S3 a missing bucket is an error.
+    Sub-folders (S3: common prefixes) are listed too, as they always were; use
+    ``list_dirs`` for sub-folders only. Names starting with ``.`` are skipped. A folder that
+    does not exist lists as empty; on S3 a missing bucket is an error.
     """
-    return [f for f in _ls(url, "file") if f.endswith(suffix)]
+    return [f for f in _ls(url, ("file", "directory")) if f.endswith(suffix)]
 
 
 def list_dirs(url: str) -> list[str]:
     """Sub-folders directly under folder ``url`` (S3: common prefixes), sorted, as URLs."""
-    return [d.rstrip("/") for d in _ls(url, "directory")]
+    return _ls(url, ("directory",))
 
 
 def _as_url(base_url: str, found: str) -> str:

@@ -170,7 +170,7 @@ def test_list_files_and_dirs(root: str) -> None:
         storage.join(root, "a.parquet"), storage.join(root, "b.parquet")
     ]
     assert storage.list_files(root) == [
-        storage.join(root, n) for n in ("_SET.json", "a.parquet", "b.parquet")
+        storage.join(root, n) for n in ("_SET.json", "a.parquet", "b.parquet", "sub")
     ]
     assert storage.list_dirs(root) == [storage.join(root, "sub")]
     assert storage.list_files(storage.join(root, "missing")) == []
