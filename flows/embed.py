@@ -122,8 +122,7 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
 
     started = time.perf_counter()
     spec = parse(EmbedJob, job, "embedding job")
-    embedder = get_embedder(spec.encoder, spec.poolers)
-    plan = prepare(spec, embedder, verify=verify)
+    plan = prepare(spec, lambda: get_embedder(spec.encoder, spec.poolers), verify=verify)
     logger = get_run_logger()
     logger.info(
         "%d shards planned, %d already done, %d to run",

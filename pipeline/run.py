@@ -13,6 +13,9 @@ covers both attempts. A run that changes nothing leaves the generation as it was
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from pydantic import BaseModel
 
 from pipeline import sets
@@ -89,8 +92,10 @@ def set_meta(embedder, job: EmbedJob, name: str, id_type: str) -> sets.SetMeta:
     )
 
 
-def prepare(job: EmbedJob, embedder, verify: bool = False) -> RunPlan:
+def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = False) -> RunPlan:
     """Check everything, claim the sets, list the shards to run.
+
+    The corpus is checked before ``load_embedder`` is called: a bad corpus fails in seconds.
 
     ``verify`` (nightly runs) re-reads every shard and compares content hashes; otherwise a
     shard whose marker matches its row-group signature is taken as done without reading it.
@@ -103,6 +108,7 @@ def prepare(job: EmbedJob, embedder, verify: bool = False) -> RunPlan:
             f"duplicate ids in {job.corpus}: {duplicates.describe()}; "
             "pass --dedupe to keep the first row of each id"
         )
+    embedder = load_embedder()
     metas = {
         spec.name: sets.claim(job.out, set_meta(embedder, job, spec.name, corpus.id_type))
         for spec in job.poolers

@@ -100,9 +100,14 @@ def build_job(args: argparse.Namespace) -> EmbedJob:
 
 
 def _quiet_prefect() -> None:
-    """Prefect's own INFO lines would fight the progress bar; its warnings still show."""
+    """Prefect's INFO lines would fight the progress bar, and a failed run's traceback would
+    bury the one-line reason the CLI prints; a busy machine needs longer to start the
+    ephemeral API than Prefect's default 20 s."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    for name in ("FLOW_RUNS", "TASK_RUNS"):
+        os.environ.setdefault(f"PREFECT_LOGGING_LOGGERS_PREFECT_{name}_LEVEL", "CRITICAL")
 
 
 def run_embed(args: argparse.Namespace) -> int:

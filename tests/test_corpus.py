@@ -1,0 +1,117 @@
+"""Reading a corpus: file names, row groups, streaming, row validation, hashes, duplicates."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _flowkit import text_for, write_corpus
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.corpus import describe, find_duplicates, read_shard, text_hash, validate
+from pipeline.errors import CorpusError, StorageError
+from pipeline.shards import plan_shards
+
+
+def test_describe_names_files_relative_to_the_corpus_root(tmp_path):
+    texts = [text_for(i) for i in range(25)]
+    write_corpus(tmp_path / "c" / "x" / "a.parquet", list(range(25)), texts)
+    write_corpus(tmp_path / "c" / "b.parquet", list(range(25, 30)), [text_for(i) for i in range(5)])
+    info = describe(str(tmp_path / "c"), "id", "text")
+    assert [f.name for f in info.files] == ["b.parquet", "x/a.parquet"]
+    assert [f.group_rows for f in info.files] == [(5,), (10, 10, 5)]
+    assert info.rows == 30 and info.id_type == "int64"
+    glob = describe(str(tmp_path / "c" / "*" / "*.parquet"), "id", "text")
+    assert [f.name for f in glob.files] == ["x/a.parquet"]
+    single = describe(str(tmp_path / "c" / "x" / "a.parquet"), "id", "text")
+    assert [f.name for f in single.files] == ["a.parquet"]
+
+
+def test_shard_is_streamed_one_row_group_at_a_time(tmp_path):
+    n = 45
+    write_corpus(tmp_path / "a.parquet", list(range(n)), [text_for(i) for i in range(n)])
+    info = describe(str(tmp_path / "a.parquet"), "id", "text")
+    shards = plan_shards(info.files, 20)
+    assert [(s.first_group, s.end_group) for s in shards] == [(0, 2), (2, 4), (4, 5)]
+    chunks = list(read_shard(shards[1], "id", "text", info.id_type))
+    assert [len(c.texts) for c in chunks] == [10, 10]  # one chunk per row group
+    assert [i for c in chunks for i in c.ids.to_pylist()] == list(range(20, 40))
+    assert chunks[0].texts[0] == text_for(20)
+    assert chunks[0].hashes[0] == text_hash(text_for(20))
+
+
+def test_validate_gives_every_skipped_row_a_reason():
+    ids = pa.array([1, None, 3, 4, 5, 6, 7, 8], pa.int64())
+    texts = pa.array(["ok", "x", None, "", " \t\n", "\x00ctrl\x1f", "\u200b\U0001f600", "fine"])
+    chunk = validate(ids, texts, start=100, drop_rows=frozenset({107}))
+    assert chunk.ids.to_pylist() == [1, 6, 7]
+    assert chunk.texts == ["ok", "\x00ctrl\x1f", "\u200b\U0001f600"]
+    assert chunk.skipped_rows == [101, 102, 103, 104, 107]
+    assert chunk.skipped_reasons == [
+        "null_id", "null_text", "empty_text", "empty_text", "duplicate_id"
+    ]
+    assert chunk.skipped == {"null_id": 1, "null_text": 1, "empty_text": 2, "duplicate_id": 1}
+
+
+def test_text_that_is_not_a_string_is_skipped():
+    binary = validate(pa.array([1, 2, 3]), pa.array([b"hello", b"\xff\xfe", None]), 0, frozenset())
+    assert binary.texts == ["hello"]
+    assert binary.skipped_reasons == ["not_string", "null_text"]
+    numbers = validate(pa.array([1, 2]), pa.array([5, 6]), 0, frozenset())
+    assert numbers.skipped_reasons == ["not_string", "not_string"] and not numbers.texts
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(max_size=200), st.text(max_size=200))
+def test_text_hash_is_stable_and_separates_texts(a, b):
+    assert text_hash(a) == text_hash(a)
+    if a != b:
+        assert text_hash(a) != text_hash(b)
+
+
+def test_duplicates_are_found_across_files_first_copy_kept(tmp_path):
+    write_corpus(tmp_path / "c" / "a.parquet", ["a", "b", "c", "d"], ["t"] * 4, row_group_size=2)
+    write_corpus(tmp_path / "c" / "b.parquet", ["e", "b", "f", "a", "b"], ["t"] * 5)
+    info = describe(str(tmp_path / "c"), "id", "text")
+    dupes = find_duplicates(info, "id")
+    assert dupes.rows == 3
+    assert dupes.examples == ["'b'", "'a'"]
+    assert dupes.drop == {"b.parquet": [1, 3, 4]}
+    assert "first duplicates: 'b', 'a'" in dupes.describe()
+
+
+def test_integer_ids_without_duplicates(tmp_path):
+    write_corpus(tmp_path / "a.parquet", list(range(1000)), ["t"] * 1000, row_group_size=100)
+    assert find_duplicates(describe(str(tmp_path / "a.parquet"), "id", "text"), "id").rows == 0
+
+
+def test_unusable_corpora_fail_with_one_line(tmp_path):
+    write_corpus(tmp_path / "a.parquet", [1], ["x"], body=["y"])
+    with pytest.raises(CorpusError, match=r"no column 'content' \(its columns: id, text, body\)"):
+        describe(str(tmp_path / "a.parquet"), "id", "content")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(CorpusError, match=r"corrupt or unreadable Parquet file .*broken\.parquet"):
+        describe(str(tmp_path / "bad"), "id", "text")
+    pq.write_table(pa.table({"id": pa.array([], pa.int64()), "text": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    with pytest.raises(CorpusError, match=r"empty\.parquet is empty: 1 Parquet file\(s\), 0 rows"):
+        describe(str(tmp_path / "empty.parquet"), "id", "text")
+    with pytest.raises(StorageError, match=r"nowhere.*not found"):
+        describe(str(tmp_path / "nowhere"), "id", "text")
+    write_corpus(tmp_path / "f" / "a.parquet", [1.5], ["x"])
+    with pytest.raises(CorpusError, match="ids must be integers or strings"):
+        describe(str(tmp_path / "f"), "id", "text")
+    write_corpus(tmp_path / "m" / "a.parquet", [1], ["x"])
+    write_corpus(tmp_path / "m" / "b.parquet", ["1"], ["x"])
+    with pytest.raises(CorpusError, match="different types across files"):
+        describe(str(tmp_path / "m"), "id", "text")
+
+
+def test_truncated_file_is_named(tmp_path):
+    path = write_corpus(tmp_path / "a.parquet", list(range(50)), [text_for(i) for i in range(50)])
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorpusError, match=r"a\.parquet"):
+        describe(str(path), "id", "text")
