@@ -1,0 +1,151 @@
+"""Bad rows and bad corpora (issue 7): counted, quarantined, refused before any work.
+
+These run the library path the flows run (prepare, every shard, finalize) with the tiny
+model, without Prefect; test_flows.py covers the same path through Prefect.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _flowkit import job, read_set, run_library, text_for, tree_digest, write_corpus
+
+from pipeline import sets
+from pipeline.errors import CorpusError, FingerprintError
+
+
+def test_bad_rows_are_skipped_counted_and_quarantined(tmp_path, tiny_model_dir):
+    ids = list(range(12)) + [None]
+    texts = [text_for(i) for i in range(13)]
+    texts[2], texts[4], texts[5] = None, "", "  \n\t "
+    write_corpus(tmp_path / "c" / "a.parquet", ids, texts, row_group_size=5)
+    # a second file whose text column is not text at all: every row is "not_string"
+    pq.write_table(pa.table({"id": [100, 101], "text": [1, 2]}), tmp_path / "c" / "b.parquet")
+    summary = run_library(
+        job(tmp_path / "c", tmp_path / "out", tiny_model_dir, quarantine=True)
+    )
+    expected = {"null_id": 1, "null_text": 1, "empty_text": 2, "not_string": 2}
+    assert summary.skipped == expected
+    assert "skipped 6 rows (empty_text 2, not_string 2, null_id 1, null_text 1)" in summary.line()
+    meta = sets.read_meta(str(tmp_path / "out"), "mean")
+    assert meta.rows_skipped == expected and meta.rows_written == 9
+    assert sorted(read_set(tmp_path / "out", "mean")) == [0, 1, 3, 6, 7, 8, 9, 10, 11]
+    quarantine = pa.concat_tables(
+        pq.read_table(p) for p in sorted((tmp_path / "out" / "_quarantine").glob("*.parquet"))
+    ).sort_by([("file", "ascending"), ("row", "ascending")])
+    assert quarantine.column("id").to_pylist() == [2, 4, 5, None, 100, 101]
+    assert quarantine.column("row").to_pylist() == [2, 4, 5, 12, 0, 1]
+    assert quarantine.column("reason").to_pylist() == [
+        "null_text", "empty_text", "empty_text", "null_id", "not_string", "not_string"
+    ]
+
+
+def test_long_control_and_unusual_unicode_texts_embed(tmp_path, tiny_model_dir):
+    texts = [
+        "word " * 200_000 + "end",  # 1 MB
+        "tab\there\x00nul\x07bell\x1bescape\r\nnewline",
+        "\u200b\u200d\ufeff zero widths",
+        "emoji \U0001f600\U0001f9ec and rtl \u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d",
+        "combining e\u0301\u0301 and \ud7a3 and \U00010348 and \ufffd",
+        "\x00\x01\x02",  # only control characters: not blank, so embedded
+    ]
+    assert len(texts[0]) > 1_000_000
+    write_corpus(tmp_path / "a.parquet", list(range(len(texts))), texts)
+    summary = run_library(job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir))
+    vectors = read_set(tmp_path / "out", "mean")
+    assert summary.skipped == {} and sorted(vectors) == list(range(len(texts)))
+    matrix = np.stack([vectors[i] for i in range(len(texts))])
+    assert np.isfinite(matrix).all()
+    assert np.allclose(np.linalg.norm(matrix, axis=1), 1.0, atol=1e-5)
+
+
+def test_duplicate_ids_fail_naming_them_before_any_work(tmp_path, tiny_model_dir):
+    write_corpus(tmp_path / "c" / "a.parquet", ["a", "b", "c"], ["x", "y", "z"])
+    write_corpus(tmp_path / "c" / "b.parquet", ["d", "b", "a"], ["u", "v", "w"])
+    expected = r"2 row\(s\) repeat .* first duplicates: 'b', 'a'.*--dedupe"
+    with pytest.raises(CorpusError, match=expected):
+        run_library(job(tmp_path / "c", tmp_path / "out", tiny_model_dir))
+    assert not (tmp_path / "out").exists()
+
+
+def test_dedupe_keeps_the_first_row_of_each_id(tmp_path, tiny_model_dir):
+    write_corpus(tmp_path / "c" / "a.parquet", ["a", "b", "c"], ["x", "y", "z"])
+    write_corpus(tmp_path / "c" / "b.parquet", ["d", "b", "a"], ["u", "v", "w"])
+    summary = run_library(job(tmp_path / "c", tmp_path / "out", tiny_model_dir, dedupe=True))
+    assert summary.skipped == {"duplicate_id": 2} and summary.rows == 4
+    kept = read_set(tmp_path / "out", "mean")
+    assert sorted(kept) == ["a", "b", "c", "d"]
+    first = run_library(job(tmp_path / "c" / "a.parquet", tmp_path / "ref", tiny_model_dir))
+    assert first.rows == 3
+    ref = read_set(tmp_path / "ref", "mean")
+    assert all(np.array_equal(kept[k], ref[k]) for k in "abc")  # the first copies were kept
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        ("missing_column", r"a\.parquet has no column 'text' \(its columns: id, body\)"),
+        ("corrupt", r"corrupt or unreadable Parquet file .*b\.parquet"),
+        ("empty", r"is empty: 1 Parquet file\(s\), 0 rows"),
+    ],
+)
+def test_bad_corpora_fail_before_any_work(tmp_path, tiny_model_dir, make, message):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    if make == "missing_column":
+        pq.write_table(pa.table({"id": [1], "body": ["x"]}), corpus / "a.parquet")
+    elif make == "corrupt":
+        write_corpus(corpus / "a.parquet", [1, 2], ["x", "y"])
+        good = (corpus / "a.parquet").read_bytes()
+        (corpus / "b.parquet").write_bytes(good[:20] + b"\0" * 40 + good[60:-12])
+    else:
+        pq.write_table(
+            pa.table({"id": pa.array([], pa.int64()), "text": pa.array([], pa.string())}),
+            corpus / "a.parquet",
+        )
+    with pytest.raises(CorpusError, match=message) as info:
+        run_library(job(corpus, tmp_path / "out", tiny_model_dir))
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_with_a_set_of_another_fingerprint_is_refused(tmp_path, tiny_model_dir):
+    write_corpus(tmp_path / "a.parquet", list(range(30)), [text_for(i) for i in range(30)])
+    run_library(job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir,
+                    poolers=[{"name": "main", "strategy": "mean"}]))
+    before = tree_digest(tmp_path / "out")
+    changed = job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir,
+                  poolers=[{"name": "main", "strategy": "cls"}])
+    with pytest.raises(FingerprintError, match=r"set 'main' in .* was made with fingerprint"):
+        run_library(changed)
+    other_model = job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir,
+                      poolers=[{"name": "main", "strategy": "mean"}])
+    other_model["encoder"] = other_model["encoder"] | {"max_length": 16}
+    with pytest.raises(FingerprintError, match="use another set name or another OUT"):
+        run_library(other_model)
+    assert tree_digest(tmp_path / "out") == before
+
+
+def test_failure_while_writing_then_rerun_gives_every_row_once(tmp_path, tiny_model_dir,
+                                                                 monkeypatch):
+    """A fault injected before the 3rd part write; the rerun completes the set exactly."""
+    n = 95
+    write_corpus(tmp_path / "a.parquet", list(range(n)), [text_for(i) for i in range(n)])
+    spec = job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir)
+    run_library(job(tmp_path / "a.parquet", tmp_path / "ref", tiny_model_dir))
+    monkeypatch.setenv("EMBEDPIPE_FAILPOINT", f"write_part:2:1:{tmp_path / 'fp'}")
+    with pytest.raises(OSError, match="injected fault at write_part"):
+        run_library(spec)
+    monkeypatch.delenv("EMBEDPIPE_FAILPOINT")
+    assert len(os.listdir(tmp_path / "out" / "sets" / "mean" / "_done")) == 2
+    summary = run_library(spec)
+    assert summary.shards_run == 3 and summary.embedded == n - 40
+    ref, got = read_set(tmp_path / "ref", "mean"), read_set(tmp_path / "out", "mean")
+    assert sorted(got) == list(range(n))
+    assert all(np.array_equal(got[i], ref[i]) for i in range(n))
+    meta = sets.read_meta(str(tmp_path / "out"), "mean")
+    assert meta.rows_written == n and meta.shards_done == 5 and meta.generation == 1
