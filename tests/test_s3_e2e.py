@@ -1,0 +1,149 @@
+"""The real flows against a real S3 API server on loopback (moto, server mode).
+
+embed s3://bucket/corpus/ -> s3://bucket/out/ with an upload that dies half-way (the server
+fails it; the client's real retries give up), resume, backfill, index and query, and the same
+job run on local paths gives the same vectors.
+
+How the failure is injected: the fault layer in front of moto (tests/_s3.py) reads half the
+body of the matching PUT and answers 500 InternalError, for every attempt while armed. The
+flow, storage, s3fs and botocore are untouched: they see what they would see if S3 failed
+the upload. (moto's IAM mode could deny the PUT instead, but moto 5.2 then also rejects
+every prefix listing with a bad-signature error, so a run could not get as far as uploading.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import sets, storage
+from pipeline.corpus import describe
+from pipeline.errors import EmbedpipeError
+from pipeline.shards import plan_shards
+
+pytestmark = pytest.mark.slow
+
+WORDS = ["vector", "index", "shard", "parquet", "pooler", "encoder", "token", "bucket",
+         "upload", "query", "model", "batch", "window", "layer", "flow", "worker", "cluster"]
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):  # a hang guard, not a timing
+        yield
+
+
+def corpus_table(start: int, rows: int) -> pa.Table:
+    rng = np.random.default_rng(start)
+    texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 12)))) for _ in range(rows)]
+    return pa.table({"id": pa.array(range(start, start + rows), pa.int64()), "text": texts})
+
+
+def write_corpus(root: str) -> list[int]:
+    """Two Parquet files of three 16-row groups each, written through storage (so: S3 too)."""
+    ids: list[int] = []
+    for i, name in enumerate(("a.parquet", "b.parquet")):
+        table = corpus_table(1000 * i, 48)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, row_group_size=16)
+        storage.write_bytes(storage.join(root, "corpus", name), sink.getvalue().to_pybytes())
+        ids += table.column("id").to_pylist()
+    return ids
+
+
+def job(root: str, model: Path, poolers: list[str]) -> dict:
+    return {
+        "corpus": storage.join(root, "corpus") + "/",
+        "out": storage.join(root, "out") + "/",
+        "encoder": {"model": str(model), "device": "cpu", "dtype": "fp32"},
+        "poolers": [{"name": p} for p in poolers],
+        "rows_per_shard": 16,
+    }
+
+
+def set_rows(out: str, name: str) -> dict[int, np.ndarray]:
+    """Every live row of a set, read the way the index reads it: all parts of the set."""
+    rows: dict[int, np.ndarray] = {}
+    for url in storage.list_files(sets.set_url(out, name), ".parquet"):
+        table = storage.read_parquet(url)
+        dim = table.schema.field("embedding").type.list_size
+        vectors = table.column("embedding").combine_chunks().values.to_numpy().reshape(-1, dim)
+        for ident, vector in zip(table.column("id").to_pylist(), vectors, strict=True):
+            assert ident not in rows, f"id {ident} in two parts of {name}"
+            rows[ident] = vector
+    return rows
+
+
+def uploads_since(s3_server, mark: int) -> list[str]:
+    return s3_server.faults.uploads[mark:]
+
+
+def test_embed_resume_backfill_on_s3(s3_server, s3_bucket, tiny_model_dir, prefect_api,
+                                     tmp_path, monkeypatch) -> None:
+    from flows.embed import backfill_flow, embed_flow
+
+    root = f"s3://{s3_bucket}"
+    out = storage.join(root, "out")
+    ids = write_corpus(root)
+
+    # 1. the upload of one shard's `cls` part dies half-way, on every attempt: the run fails
+    shards = plan_shards(describe(storage.join(root, "corpus"), "id", "text").files, 16)
+    assert len(shards) == 6
+    victim = shards[2].id
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # the client gives up at once (no backoff)
+    mark = len(s3_server.faults.uploads)
+    with s3_server.faults.failing_uploads(f"{s3_bucket}/out/sets/cls/part-{victim}") \
+            as fault, pytest.raises(EmbedpipeError) as exc:
+        embed_flow(job(root, tiny_model_dir, ["mean", "cls"]))
+    assert str(exc.value).startswith(f"cannot write s3://{s3_bucket}/out/sets/cls/part-")
+    assert "\n" not in str(exc.value) and "internal error" in str(exc.value)
+    assert fault.hits == 3  # the task's first try and its two retries
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+
+    # nothing partial: every marker's part is whole, the failed shard has no cls part at all
+    cls_markers = sets.read_markers(out, "cls")
+    mean_markers = sets.read_markers(out, "mean")
+    failed = sorted(set(mean_markers) - set(cls_markers))
+    assert failed == [victim], (sorted(mean_markers), sorted(cls_markers))
+    assert sorted(mean_markers) == sorted(s.id for s in shards)  # the other shards finished
+    assert not storage.exists(sets.part_url(out, "cls", failed[0]))
+    for name, markers in (("mean", mean_markers), ("cls", cls_markers)):
+        for shard, marker in markers.items():
+            assert storage.parquet_file(sets.part_url(out, name, shard)).metadata.num_rows \
+                == marker.rows
+    assert s3_server.pending_multipart_uploads(s3_bucket) == []
+    first_run = uploads_since(s3_server, mark)
+
+    # 2. resume: only the failed shard's cls part is written again
+    mark = len(s3_server.faults.uploads)
+    summary = embed_flow(job(root, tiny_model_dir, ["mean", "cls"]))
+    assert summary["shards_run"] == 1 and summary["rows"] == len(ids)
+    parts = [k for k in uploads_since(s3_server, mark) if "/part-" in k]
+    assert parts == [f"{s3_bucket}/out/sets/cls/part-{failed[0]}.parquet"]
+    assert all(f"/sets/cls/part-{failed[0]}" not in k for k in first_run)
+    for name in ("mean", "cls"):
+        assert sorted(set_rows(out, name)) == sorted(ids)
+
+    # 3. the same job on local paths gives the same vectors: S3 changes nothing
+    local = str(tmp_path / "local")
+    write_corpus(local)
+    embed_flow(job(local, tiny_model_dir, ["mean", "cls"]))
+    for name in ("mean", "cls"):
+        on_s3, on_disk = set_rows(out, name), set_rows(storage.join(local, "out"), name)
+        assert on_s3.keys() == on_disk.keys()
+        for ident, vector in on_disk.items():
+            np.testing.assert_array_equal(on_s3[ident], vector)
+
+    # 4. backfill a new set next to the others; they are not rewritten
+    mark = len(s3_server.faults.uploads)
+    backfill_flow(job(root, tiny_model_dir, ["max"]))
+    written = uploads_since(s3_server, mark)
+    assert not [k for k in written if "/sets/mean/" in k or "/sets/cls/" in k]
+    assert sets.list_sets(out) == ["cls", "max", "mean"]
+    assert sorted(set_rows(out, "max")) == sorted(ids)
