@@ -147,3 +147,51 @@ def test_embed_resume_backfill_on_s3(s3_server, s3_bucket, tiny_model_dir, prefe
     assert not [k for k in written if "/sets/mean/" in k or "/sets/cls/" in k]
     assert sets.list_sets(out) == ["cls", "max", "mean"]
     assert sorted(set_rows(out, "max")) == sorted(ids)
+
+
+@pytest.fixture
+def cli(prefect_api, tiny_model_dir, capsys):
+    """Run ``embedpipe embed CORPUS OUT`` in this process; return (exit code, stderr lines)."""
+    from flows.cli import main
+
+    def run(corpus: str, out: str) -> tuple[int, list[str]]:
+        capsys.readouterr()
+        code = main(["embed", corpus, out, "--model", str(tiny_model_dir), "--dtype", "fp32",
+                     "--device", "cpu"])
+        return code, capsys.readouterr().err.strip().splitlines()
+
+    return run
+
+
+@pytest.mark.parametrize("problem", ["missing bucket", "no parquet", "no credentials",
+                                     "access denied"])
+def test_cli_bad_s3_input_is_one_line_naming_the_url(problem, cli, s3_server, s3_bucket,
+                                                     monkeypatch) -> None:
+    out = f"s3://{s3_bucket}/out/"
+    corpus = f"s3://{s3_bucket}/corpus/"
+    write_corpus(f"s3://{s3_bucket}")
+    storage.write_bytes(f"s3://{s3_bucket}/docs/README.txt", b"not a corpus")
+    expected = {"missing bucket": "bucket 'no-such-bucket-embedpipe' does not exist",
+                "no parquet": "no Parquet files under",
+                "no credentials": "no AWS credentials found",
+                "access denied": "access denied"}[problem]
+    if problem == "missing bucket":
+        corpus = "s3://no-such-bucket-embedpipe/corpus/"
+    elif problem == "no parquet":
+        corpus = f"s3://{s3_bucket}/docs/"
+    elif problem == "no credentials":
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    else:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "NotARealSecretButStillSecret0000")
+    if problem == "access denied":
+        with s3_server.iam_enforced():
+            code, err = cli(corpus, out)
+    else:
+        code, err = cli(corpus, out)
+    assert code == 1
+    assert len(err) == 1, err
+    assert err[0].startswith("embedpipe embed: error: ") and expected in err[0], err[0]
+    assert corpus in err[0]
+    assert "NotARealSecret" not in err[0]
