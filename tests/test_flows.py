@@ -1,0 +1,251 @@
+"""The embed, backfill and nightly flows on Prefect's ephemeral API with the tiny model."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _flowkit import job, read_set, same_vectors, text_for, tree_digest, write_corpus
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.embed import ShardFailed, backfill_flow, embed_flow, nightly_flow
+from pipeline import faults, sets, storage
+from pipeline.config import EmbedJob
+from pipeline.embedder import get_embedder
+from pipeline.errors import ConfigError
+
+TWO_SETS = [{"name": "mean"}, {"name": "cls", "layers": [-1, -2]}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def harness():
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def make_corpus(folder) -> list[int]:
+    """Two files, 60 rows, 3 invalid; returns the valid ids."""
+    ids = list(range(45))
+    texts = [text_for(i) for i in ids]
+    texts[7], texts[26] = None, "   "
+    write_corpus(folder / "a.parquet", ids, texts)
+    more = list(range(100, 115))
+    more_texts = [text_for(i) for i in more]
+    more_texts[3] = ""
+    write_corpus(folder / "b.parquet", more, more_texts)
+    return [i for i in ids + more if i not in (7, 26, 103)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    return folder, make_corpus(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tiny_model_dir, tmp_path_factory):
+    """An uninterrupted run of the threads runner: the vectors every other run must match."""
+    out = tmp_path_factory.mktemp("ref")
+    summary = embed_flow(job(corpus[0], out, tiny_model_dir, poolers=TWO_SETS, workers=2))
+    return out, summary, {name["name"]: read_set(out, name["name"]) for name in TWO_SETS}
+
+
+def test_embed_writes_every_valid_row_once_with_metadata(corpus, reference, tiny_model_dir):
+    folder, valid = corpus
+    out, summary, vectors = reference
+    assert summary["rows"] == len(valid) == 57 and summary["embedded"] == 57
+    assert summary["shards"] == 4 and summary["shards_run"] == 4
+    assert summary["skipped"] == {"null_text": 1, "empty_text": 2}
+    embedder = get_embedder(EmbedJob.model_validate(job(folder, out, tiny_model_dir)).encoder,
+                            EmbedJob.model_validate(job(folder, out, tiny_model_dir,
+                                                        poolers=TWO_SETS)).poolers)
+    for spec in TWO_SETS:
+        name = spec["name"]
+        assert sorted(vectors[name]) == sorted(valid)
+        meta = sets.read_meta(str(out), name)
+        assert meta.fingerprint == embedder.fingerprint(name)
+        assert (meta.model, meta.model_hash) == (str(tiny_model_dir), embedder.info.model_hash)
+        assert meta.dim == 32 and meta.dtype == "fp32" and meta.normalize
+        assert meta.pooler["strategy"] == name and meta.max_length == 128
+        assert (meta.shards_done, meta.rows_written, meta.generation) == (4, 57, 1)
+        assert meta.rows_skipped == {"null_text": 1, "empty_text": 2}
+        parts = sorted(p.name for p in (out / "sets" / name).glob("part-*.parquet"))
+        changes = storage.read_json(sets.changes_url(str(out), name, 1))
+        assert changes == {"generation": 1, "parts": parts, "deleted_ids": []}
+    assert not np.allclose(vectors["mean"][0], vectors["cls"][0])
+
+
+def test_rerun_of_a_finished_job_is_a_no_op(corpus, reference, tiny_model_dir):
+    out, _, _ = reference
+    before = tree_digest(out)
+    summary = embed_flow(job(corpus[0], out, tiny_model_dir, poolers=TWO_SETS, workers=2))
+    assert summary["shards_run"] == 0 and summary["embedded"] == 0 and summary["rows"] == 57
+    assert summary["generation"] == {"mean": 1, "cls": 1}
+    assert tree_digest(out) == before
+
+
+def test_resume_after_a_failure_mid_run(corpus, reference, tiny_model_dir, tmp_path, monkeypatch):
+    folder, valid = corpus
+    spec = job(folder, tmp_path / "out", tiny_model_dir, poolers=TWO_SETS, workers=1)
+    # the 3rd part write and every later one fail, retries included: 1 shard done, 1 half done
+    monkeypatch.setenv(faults.ENV, f"write_part:2:1000:{tmp_path / 'fp'}")
+    expected = r"failed after 2 retries: InjectedFault.*rerun to resume"
+    with pytest.raises(ShardFailed, match=expected):
+        embed_flow(spec)
+    done = {n: len(sets.read_markers(str(tmp_path / "out"), n)) for n in ("mean", "cls")}
+    assert done == {"mean": 1, "cls": 1}
+    monkeypatch.delenv(faults.ENV)
+    summary = embed_flow(spec)
+    assert summary["shards_run"] == 3 and summary["rows"] == 57
+    for name, ref in reference[2].items():
+        assert same_vectors(read_set(tmp_path / "out", name), ref)
+        meta = sets.read_meta(str(tmp_path / "out"), name)
+        assert (meta.shards_done, meta.rows_written, meta.generation) == (4, 57, 1)
+        changes = storage.read_json(sets.changes_url(str(tmp_path / "out"), name, 1))
+        assert len(changes["parts"]) == 4  # the changes file covers both attempts
+
+
+def test_transient_errors_are_retried_by_prefect(corpus, reference, tiny_model_dir, tmp_path,
+                                                 monkeypatch):
+    monkeypatch.setenv(faults.ENV, f"write_part:1:1:{tmp_path / 'fp'}")
+    summary = embed_flow(job(corpus[0], tmp_path / "out", tiny_model_dir, workers=1))
+    assert summary["shards_run"] == 4 and summary["rows"] == 57
+    assert faults.hits(str(tmp_path / "fp"), "write_part") == 5  # 4 shards + 1 retry
+    assert same_vectors(read_set(tmp_path / "out", "mean"), reference[2]["mean"])
+
+
+def test_nightly_embeds_only_new_and_changed_rows(corpus, tiny_model_dir, tmp_path):
+    src = tmp_path / "corpus"
+    shutil.copytree(corpus[0], src)
+    out = tmp_path / "out"
+    embed_flow(job(src, out, tiny_model_dir))
+    # change 2 texts, delete 4 rows at the end of a.parquet, add 10 rows to b, add a file c
+    table = pq.read_table(src / "a.parquet").slice(0, 41)
+    texts = table.column("text").to_pylist()
+    texts[3], texts[17] = "a changed text", "another changed text"
+    write_corpus(src / "a.parquet", table.column("id").to_pylist(), texts)
+    b = pq.read_table(src / "b.parquet")
+    new_b = list(range(115, 125))
+    write_corpus(src / "b.parquet", b.column("id").to_pylist() + new_b,
+                 b.column("text").to_pylist() + [text_for(i) for i in new_b])
+    write_corpus(src / "c.parquet", list(range(200, 210)), [text_for(i) for i in range(10)])
+    summary = nightly_flow(job(src, out, tiny_model_dir))
+    assert summary["embedded"] == 2 + 10 + 10
+    assert summary["rows"] == 57 - 4 + 20 and summary["removed"] == 4
+    assert summary["generation"] == {"mean": 2}
+    changes = storage.read_json(sets.changes_url(str(out), "mean", 2))
+    assert changes["deleted_ids"] == [41, 42, 43, 44]
+    assert changes["parts"] == sorted(
+        sets.part_name(s)
+        for s in sets.read_markers(str(out), "mean")
+        if not s.endswith("g00002-00004") or not s.startswith("a-")
+    )
+    fresh = tmp_path / "fresh"
+    embed_flow(job(src, fresh, tiny_model_dir))
+    assert same_vectors(read_set(out, "mean"), read_set(fresh, "mean"), atol=1e-5)
+    meta = sets.read_meta(str(out), "mean")
+    assert meta.rows_written == 73 and meta.generation == 2
+    before = tree_digest(out)
+    again = nightly_flow(job(src, out, tiny_model_dir))
+    assert again["embedded"] == 0 and again["generation"] == {"mean": 2}
+    assert tree_digest(out) == before
+
+
+def test_nightly_records_a_deleted_file(corpus, tiny_model_dir, tmp_path):
+    src = tmp_path / "corpus"
+    shutil.copytree(corpus[0], src)
+    out = tmp_path / "out"
+    embed_flow(job(src, out, tiny_model_dir))
+    (src / "b.parquet").unlink()
+    summary = nightly_flow(job(src, out, tiny_model_dir))
+    changes = storage.read_json(sets.changes_url(str(out), "mean", 2))
+    assert changes["parts"] == [] and sorted(changes["deleted_ids"]) == [
+        i for i in range(100, 115) if i != 103
+    ]
+    assert summary["embedded"] == 0 and sorted(read_set(out, "mean")) == [
+        i for i in range(45) if i not in (7, 26)
+    ]
+
+
+def test_backfill_adds_sets_and_leaves_existing_ones_byte_identical(corpus, tiny_model_dir,
+                                                                    tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="has no sets to backfill"):
+        backfill_flow(job(corpus[0], out, tiny_model_dir, poolers=[{"name": "max"}]))
+    embed_flow(job(corpus[0], out, tiny_model_dir))
+    before = tree_digest(out / "sets" / "mean")
+    summary = backfill_flow(job(corpus[0], out, tiny_model_dir, poolers=[{"name": "max"}]))
+    assert summary["rows"] == 57 and summary["sets"] == ["max"]
+    assert tree_digest(out / "sets" / "mean") == before
+    assert sorted(read_set(out, "max")) == sorted(corpus[1])
+    assert sets.list_sets(str(out)) == ["max", "mean"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["processes", "dask"])
+def test_process_and_dask_runners_match_threads(corpus, reference, tiny_model_dir, tmp_path,
+                                                runner):
+    spec = job(corpus[0], tmp_path / "out", tiny_model_dir, poolers=TWO_SETS, runner=runner,
+               workers=2)
+    summary = embed_flow(spec)
+    assert summary["shards_run"] == 4 and summary["rows"] == 57
+    for name, ref in reference[2].items():
+        assert same_vectors(read_set(tmp_path / "out", name), ref, atol=1e-6)
+
+
+def test_cli_embed_prints_a_summary_and_fails_in_one_line(corpus, tiny_model_dir, tmp_path,
+                                                          capsys, monkeypatch):
+    from flows.cli import main
+
+    for var in ("PREFECT_LOGGING_LEVEL", "PREFECT_SERVER_ANALYTICS_ENABLED",
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+                "PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL",
+                "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test
+    config = tmp_path / "job.toml"
+    config.write_text(
+        'rows_per_shard = 30\n[encoder]\ndtype = "fp32"\ndevice = "cpu"\n'
+        '[[poolers]]\nname = "cls_last2"\nstrategy = "cls"\nlayers = [-1, -2]\n'
+    )
+    args = ["embed", str(corpus[0]), str(tmp_path / "out"), "--model", str(tiny_model_dir),
+            "--config", str(config)]
+    assert main(args) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("embedded 57 rows") and "[cls_last2]" in line
+    assert "skipped 3 rows (empty_text 2, null_text 1)" in line
+    meta = sets.read_meta(str(tmp_path / "out"), "cls_last2")
+    assert meta.pooler["layers"] == [-1, -2] and meta.shards_done == 3
+    assert main(args[:5] + ["--text-column", "body"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("embedpipe embed: error: ")
+    assert "has no column 'body' (its columns: id, text)" in err[-1]
+
+
+def test_schedule_builds_a_cron_deployment(tmp_path, tiny_model_dir):
+    from prefect import get_client
+
+    from flows.schedule import nightly_deployment
+
+    spec = EmbedJob.model_validate(job(tmp_path / "c", tmp_path / "out", tiny_model_dir))
+    deployment = nightly_deployment(spec, "0 2 * * *", name="test-nightly")
+    assert deployment.parameters == {"job": spec.model_dump(mode="json")}
+    assert deployment.schedules[0].schedule.cron == "0 2 * * *"
+    deployment_id = deployment.apply()
+    with get_client(sync_client=True) as client:
+        stored = client.read_deployment(deployment_id)
+    assert stored.name == "test-nightly" and stored.schedules[0].schedule.cron == "0 2 * * *"
+    assert stored.parameters["job"]["corpus"] == str(tmp_path / "c")
+    with pytest.raises(ConfigError, match="invalid schedule --cron 'every night'"):
+        nightly_deployment(spec, "every night")
+
+
+def test_string_ids_round_trip(tiny_model_dir, tmp_path):
+    ids = [f"doc-{i}" for i in range(25)]
+    write_corpus(tmp_path / "a.parquet", ids, [text_for(i) for i in range(25)])
+    embed_flow(job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir))
+    part = next((tmp_path / "out" / "sets" / "mean").glob("part-*.parquet"))
+    assert pq.read_schema(part).field("id").type == pa.string()
+    assert sorted(read_set(tmp_path / "out", "mean")) == sorted(ids)
