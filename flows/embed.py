@@ -21,6 +21,7 @@ from pipeline.config import EmbedJob, parse
 from pipeline.errors import ConfigError, CorpusError, EmbedpipeError, FingerprintError, ModelError
 from pipeline.job import ShardRequest, ShardResult, embed_shard
 from pipeline.run import RunPlan, finalize, prepare
+from pipeline.settings import load_settings
 
 TASK_RETRIES = 2
 
@@ -121,7 +122,9 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
     from pipeline.embedder import get_embedder
 
     started = time.perf_counter()
-    spec = parse(EmbedJob, job, "embedding job")
+    settings = load_settings()  # EMBEDPIPE_* / EMBEDPIPE_CONFIG: defaults of this installation
+    settings.export_env()
+    spec = parse(EmbedJob, settings.apply_to_job(job), "embedding job")
     plan = prepare(spec, lambda: get_embedder(spec.encoder, spec.poolers), verify=verify)
     logger = get_run_logger()
     logger.info(
