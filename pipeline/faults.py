@@ -1,15 +1,18 @@
 """Failpoints: make a named step fail on purpose, to prove that reruns lose nothing.
 
-Set ``EMBEDPIPE_FAILPOINT="<point>:<skip>:<times>:<state folder>"``: the hits of ``point``
-are numbered across threads and processes (by creating files in the state folder), and hits
-``skip`` .. ``skip + times - 1`` raise ``InjectedFault``, an OSError, which the flows treat as
-transient (retried). Unset, a failpoint costs one dictionary lookup. Points: ``read_shard``,
-``write_part`` (before each part of a shard is written), ``write_marker``.
+Set ``EMBEDPIPE_FAILPOINT="<point>:<skip>:<times>:<state folder>[:kill]"``: the hits of
+``point`` are numbered across threads and processes (by creating files in the state folder),
+and hits ``skip`` .. ``skip + times - 1`` raise ``InjectedFault``, an OSError, which the flows
+treat as transient (retried), or with ``:kill`` end the process at once with SIGKILL (a
+crash: no cleanup, no exception handler runs). Unset, a failpoint costs one dictionary
+lookup. Points: ``read_shard``, ``write_part`` (before each part of a shard is written),
+``write_marker`` (after a part and its hashes, before the marker).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 ENV = "EMBEDPIPE_FAILPOINT"
 
@@ -22,11 +25,14 @@ def hit(point: str, where: str = "") -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    name, skip, times, folder = spec.split(":", 3)
+    name, skip, times, rest = spec.split(":", 3)
     if name != point:
         return
+    folder, _, action = rest.partition(":")
     n = _count(folder, point)
     if int(skip) <= n < int(skip) + int(times):
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFault(f"injected fault at {point} (hit {n}) {where}".strip())
 
 

@@ -6,7 +6,12 @@ model, without Prefect; test_flows.py covers the same path through Prefect.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -149,3 +154,28 @@ def test_failure_while_writing_then_rerun_gives_every_row_once(tmp_path, tiny_mo
     assert all(np.array_equal(got[i], ref[i]) for i in range(n))
     meta = sets.read_meta(str(tmp_path / "out"), "mean")
     assert meta.rows_written == n and meta.shards_done == 5 and meta.generation == 1
+
+
+def test_process_killed_mid_shard_then_rerun_gives_every_row_once(tmp_path, tiny_model_dir):
+    """kill -9 after a part is written but before its marker; the rerun redoes that shard."""
+    n = 95
+    write_corpus(tmp_path / "a.parquet", list(range(n)), [text_for(i) for i in range(n)])
+    spec = job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir)
+    run_library(job(tmp_path / "a.parquet", tmp_path / "ref", tiny_model_dir))
+    env = os.environ | {
+        "EMBEDPIPE_FAILPOINT": f"write_marker:2:1:{tmp_path / 'fp'}:kill",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+    }
+    code = f"import json, _flowkit; _flowkit.run_library(json.loads({json.dumps(spec)!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    set_dir = tmp_path / "out" / "sets" / "mean"
+    assert len(list(set_dir.glob("part-*.parquet"))) == 3  # the 3rd part made it, not its marker
+    assert len(list((set_dir / "_done").glob("*.json"))) == 2
+    summary = run_library(spec)
+    assert summary.shards_run == 3
+    ref, got = read_set(tmp_path / "ref", "mean"), read_set(tmp_path / "out", "mean")
+    assert sorted(got) == list(range(n))
+    assert all(np.array_equal(got[i], ref[i]) for i in range(n))
+    changes = json.loads((set_dir / "_changes" / "000001.json").read_text())
+    assert len(changes["parts"]) == 5 and changes["deleted_ids"] == []
