@@ -75,9 +75,15 @@ def _footer(file_url: str) -> tuple[pq.FileMetaData, pa.Schema]:
         pf = storage.parquet_file(file_url)
         return pf.metadata, pf.schema_arrow
     except StorageError as exc:
-        raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {exc}") from None
+        raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {_line(exc)}") from None
     except (OSError, pa.ArrowException) as exc:
-        raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {exc}") from None
+        raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {_line(exc)}") from None
+
+
+def _line(exc: BaseException) -> str:
+    """The first line of an error message (pyarrow's run over several)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
@@ -227,7 +233,7 @@ def read_shard(
             table = pf.read_row_group(group, columns=[id_column, text_column])
         except (OSError, pa.ArrowException) as exc:
             raise CorpusError(
-                f"corrupt Parquet file {shard.url}: row group {group} unreadable: {exc}"
+                f"corrupt Parquet file {shard.url}: row group {group} unreadable: {_line(exc)}"
             ) from None
         ids = table.column(id_column).combine_chunks().cast(target)
         yield validate(ids, table.column(text_column).combine_chunks(), start, drop_rows)

@@ -15,7 +15,7 @@ from flows.embed import ShardFailed, backfill_flow, embed_flow, nightly_flow
 from pipeline import faults, sets, storage
 from pipeline.config import EmbedJob
 from pipeline.embedder import get_embedder
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, CorpusError
 
 TWO_SETS = [{"name": "mean"}, {"name": "cls", "layers": [-1, -2]}]
 
@@ -97,6 +97,8 @@ def test_resume_after_a_failure_mid_run(corpus, reference, tiny_model_dir, tmp_p
         embed_flow(spec)
     done = {n: len(sets.read_markers(str(tmp_path / "out"), n)) for n in ("mean", "cls")}
     assert done == {"mean": 1, "cls": 1}
+    # bounded: 2 good writes, then 3 failing shards x (1 try + 2 retries)
+    assert faults.hits(str(tmp_path / "fp"), "write_part") == 2 + 3 * 3
     monkeypatch.delenv(faults.ENV)
     summary = embed_flow(spec)
     assert summary["shards_run"] == 3 and summary["rows"] == 57
@@ -249,3 +251,22 @@ def test_string_ids_round_trip(tiny_model_dir, tmp_path):
     part = next((tmp_path / "out" / "sets" / "mean").glob("part-*.parquet"))
     assert pq.read_schema(part).field("id").type == pa.string()
     assert sorted(read_set(tmp_path / "out", "mean")) == sorted(ids)
+
+
+def test_corrupt_row_group_fails_without_retries(tiny_model_dir, tmp_path, monkeypatch):
+    """The footer is fine, a data page is not: the shard fails once, naming file and group."""
+    path = tmp_path / "c" / "a.parquet"
+    path.parent.mkdir()
+    table = pa.table({"id": list(range(40)), "text": [text_for(i) * 5 for i in range(40)]})
+    pq.write_table(table, path, row_group_size=20, use_dictionary=False, compression="snappy")
+    column = pq.ParquetFile(path).metadata.row_group(1).column(1)
+    start, size = column.data_page_offset, column.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[start + size // 4 : start + 3 * size // 4] = b"\xff" * (3 * size // 4 - size // 4)
+    path.write_bytes(bytes(data))
+    monkeypatch.setenv(faults.ENV, f"read_shard:1000:1:{tmp_path / 'fp'}")  # counts, never fails
+    expected = r"corrupt Parquet file .*a\.parquet: row group 1"
+    with pytest.raises(CorpusError, match=expected) as info:
+        embed_flow(job(tmp_path / "c", tmp_path / "out", tiny_model_dir))
+    assert "\n" not in str(info.value)
+    assert faults.hits(str(tmp_path / "fp"), "read_shard") == 2  # no retry of the bad shard
