@@ -1,0 +1,272 @@
+"""Building and updating a set's index: full builds, incremental catch-up, tuning, publish.
+
+A full build reads the set twice, streaming: once for a sample (training rows for kinds
+that train, held-back query rows for tuning), once to add every row in batches while the
+exact top-10 of the query rows is accumulated on the same batches. Catch-up applies the
+set's ``_changes`` files since the index's generation (drop deleted ids and every id of a
+listed part, add the listed parts' rows), then re-measures recall and re-tunes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline import storage
+from pipeline.errors import ConfigError, FingerprintError, StorageError
+from pipeline.index import setdata, store
+from pipeline.index.exact import ExactTopK, faiss_metric
+from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
+from pipeline.index.idmap import IdMap
+from pipeline.index.plan import BATCH_ROWS, QUERY_SAMPLE, IndexPlan, parse_bytes, plan_index
+from pipeline.index.setdata import Part, SetInfo
+from pipeline.index.tune import tune
+
+log = logging.getLogger("embedpipe.index")
+MAX_MASKED_SHARE = 0.2  # above this share of dead rows in an index that cannot delete: rebuild
+
+
+class IndexRequest(BaseModel):
+    """What ``embedpipe index`` asks for one set."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    out: str
+    set_name: str
+    kind: str = "auto"
+    memory_budget: str = "4GB"
+    rebuild: bool = False
+    recall_target: float = Field(default=0.95, gt=0, le=1)
+    queries: int = Field(default=QUERY_SAMPLE, gt=0)
+    batch_rows: int = Field(default=BATCH_ROWS, gt=0)
+    seed: int = 0
+
+
+class IndexResult(BaseModel):
+    meta: store.IndexMeta
+    action: str  # "built", "caught up", "up to date"
+    reason: str = ""
+
+    def summary(self) -> str:
+        m = self.meta
+        params = ", ".join(f"{k}={v}" for k, v in m.params.items()) or "exact"
+        why = f" ({self.reason})" if self.reason else ""
+        return (f"index {m.name}: {self.action}{why}; {m.kind} [{m.factory}] {m.rows:,} rows, "
+                f"recall@10 {m.recall_at_10:.3f} ({params}), generation {m.generation}, "
+                f"{m.build_seconds:.1f}s")
+
+
+def index_set(req: IndexRequest, say: Callable[[str], None] = log.info) -> IndexResult:
+    """Bring ``OUT/index/<set>`` up to date with the set: nothing, a catch-up or a full build."""
+    info = setdata.read_set(req.out, req.set_name)
+    budget = parse_bytes(req.memory_budget)
+    current = store.read_meta(req.out, req.set_name)
+    if current is None or req.rebuild:
+        reason = "asked to rebuild" if current is not None else "no index yet"
+        return IndexResult(meta=_full(req, info, budget, current, say), action="built",
+                           reason=reason)
+    _check_same_vectors(req, info, current)
+    if req.kind not in ("auto", current.kind, current.factory):
+        return IndexResult(meta=_full(req, info, budget, current, say), action="built",
+                           reason=f"kind changed from {current.kind} to {req.kind}")
+    if current.generation > info.generation:
+        raise StorageError(
+            f"index of set {info.name!r} is at generation {current.generation} but the set is "
+            f"at {info.generation}; the set was replaced: rerun with --rebuild"
+        )
+    changes = _changes_since(req.out, info, current.generation)
+    if changes is None:
+        return IndexResult(meta=_full(req, info, budget, current, say), action="built",
+                           reason="a changes file is missing")
+    if not changes:
+        return IndexResult(meta=current, action="up to date")
+    meta, reason = _catch_up(req, info, budget, current, changes, say)
+    if meta is None:
+        return IndexResult(meta=_full(req, info, budget, current, say), action="built",
+                           reason=reason)
+    return IndexResult(meta=meta, action="caught up", reason=reason)
+
+
+def _check_same_vectors(req: IndexRequest, info: SetInfo, current: store.IndexMeta) -> None:
+    """An index only ever holds vectors of one fingerprint and dimension."""
+    if current.fingerprint != info.fingerprint or current.dim != info.dim:
+        raise FingerprintError(
+            f"index {store.index_url(req.out, info.name)} holds vectors of fingerprint "
+            f"{current.fingerprint} (dim {current.dim}) but set {info.name!r} now has "
+            f"{info.fingerprint} (dim {info.dim}); rebuild it with "
+            f"`embedpipe index {req.out} --set {info.name} --rebuild`"
+        )
+
+
+def _changes_since(out: str, info: SetInfo, since: int) -> list[dict] | None:
+    found = []
+    for generation in range(since + 1, info.generation + 1):
+        change = setdata.read_changes(out, info.name, generation)
+        if change is None:
+            return None
+        found.append(change)
+    return found
+
+
+# ---- full build ----------------------------------------------------------------------------
+
+
+def _full(req: IndexRequest, info: SetInfo, budget: int, previous: store.IndexMeta | None,
+          say: Callable[[str], None]) -> store.IndexMeta:
+    started = time.perf_counter()
+    parts = setdata.list_parts(req.out, info)
+    rows = sum(p.rows for p in parts)
+    if rows == 0:
+        raise StorageError(f"set {info.name!r} in {req.out} has no rows to index")
+    plan = plan_index(rows, info.dim, info.metric, budget, req.kind)
+    say(f"index {info.name}: {rows:,} x {info.dim} -> {plan.kind} [{plan.factory}], "
+        f"estimated {plan.memory_estimate / 1e6:,.0f} MB of {budget / 1e6:,.0f} MB")
+    index = _new_index(plan, info.dim)
+    rng = np.random.default_rng(req.seed)
+    query_pos, train_pos = _sample_positions(rng, rows, req.queries, plan.train_rows)
+    _, queries = setdata.gather(parts, info.dim, query_pos)
+    if not index.is_trained:
+        _, train = setdata.gather(parts, info.dim, train_pos)
+        say(f"index {info.name}: training on {len(train):,} rows")
+        index.train(train)
+        del train
+    idmap = IdMap.empty(_id_type(parts))
+    exact = ExactTopK(queries, 10, info.metric)
+    for ids, vectors in setdata.iter_batches(parts, info.dim, req.batch_rows):
+        labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
+        index.add_with_ids(vectors, labels)
+        idmap.append(labels, ids)
+        exact.add(labels, vectors)
+    _refuse_duplicates(idmap, info, req.out)
+    handle = IndexHandle(index, idmap, {})
+    params, recall, tried = tune(handle, queries, exact.result(), req.recall_target)
+    meta = _meta(req, info, budget, plan.memory_estimate, handle, previous, started,
+                 kind=plan.kind, factory=plan.factory, mode="full")
+    meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
+                                   "recall_queries": len(queries)})
+    store.publish(req.out, index, idmap, meta)
+    return meta
+
+
+def _new_index(plan: IndexPlan, dim: int) -> faiss.Index:
+    try:
+        index = faiss.index_factory(dim, plan.factory, faiss_metric(plan.metric))
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        reason = f"FAISS cannot build index {plan.factory!r} for dim {dim}: {first}"
+        raise ConfigError(reason) from None
+    if plan.kind == "hnsw":
+        index.hnsw.efConstruction = 80
+    return with_ids(index)
+
+
+def _sample_positions(rng: np.random.Generator, rows: int, queries: int,
+                      train: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted row positions: held-back queries, and training rows (where possible)."""
+    order = rng.permutation(rows) if rows <= 5_000_000 else None
+    if order is None:  # a huge set: sample without materialising a permutation
+        picked = np.unique(rng.integers(0, rows, size=queries + train))
+        order = rng.permutation(picked)
+    q = order[: min(queries, rows)]
+    rest = order[len(q):]
+    t = rest[:train] if len(rest) >= train else order[:train]
+    return np.sort(q), np.sort(t)
+
+
+def _id_type(parts: list[Part]) -> pa.DataType:
+    return storage.parquet_file(parts[0].url).schema_arrow.field("id").type
+
+
+def _refuse_duplicates(idmap: IdMap, info: SetInfo, out: str) -> None:
+    repeated = idmap.duplicates()
+    if repeated:
+        raise StorageError(
+            f"set {info.name!r} in {out} holds ids more than once (e.g. {repeated}); "
+            "a run is still writing or did not finish: rerun it, then index"
+        )
+
+
+def _meta(req: IndexRequest, info: SetInfo, budget: int, estimate: int, handle: IndexHandle,
+          previous: store.IndexMeta | None, started: float, kind: str, factory: str,
+          mode: str) -> store.IndexMeta:
+    token = store.new_token()
+    return store.IndexMeta(
+        name=info.name, kind=kind, factory=factory, metric=info.metric, dim=info.dim,
+        fingerprint=info.fingerprint, generation=info.generation, rows=len(handle.idmap),
+        ntotal=int(handle.index.ntotal), params=handle.params, recall_at_10=1.0,
+        recall_target=req.recall_target, recall_queries=0, memory_budget=budget,
+        memory_estimate=estimate, index_file=f"index-{token}.faiss",
+        idmap_file=f"idmap-{token}.parquet", token=token,
+        previous_token=previous.token if previous else None, mode=mode, built_at=time.time(),
+        build_seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+# ---- catch-up ------------------------------------------------------------------------------
+
+
+def _catch_up(req: IndexRequest, info: SetInfo, budget: int, current: store.IndexMeta,
+              changes: list[dict], say: Callable[[str], None]
+              ) -> tuple[store.IndexMeta | None, str]:
+    """Apply changes to the current index; (None, why) when a full build is the better path."""
+    started = time.perf_counter()
+    index, idmap = store.load(req.out, current)
+    set_dir = setdata.set_url(req.out, info.name)
+    names = sorted({name for change in changes for name in change["parts"]})
+    deleted = [i for change in changes for i in change["deleted_ids"]]
+    touched = [setdata.open_part(storage.join(set_dir, n), info.dim) for n in names
+               if storage.exists(storage.join(set_dir, n))]
+    drop = [pa.array(deleted, idmap.ids.type)] if deleted else []
+    drop += [setdata.read_ids(p.url) for p in touched]
+    dropped = idmap.drop_ids(pa.concat_arrays([d.cast(idmap.ids.type) for d in drop])
+                             if drop else pa.array([], idmap.ids.type))
+    removed = remove(index, dropped)
+    added = 0
+    for ids, vectors in setdata.iter_batches(touched, info.dim, req.batch_rows):
+        labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
+        index.add_with_ids(vectors, labels)
+        idmap.append(labels, ids)
+        added += len(ids)
+    parts = setdata.list_parts(req.out, info)
+    expected = sum(p.rows for p in parts)
+    if len(idmap) != expected:
+        return None, f"catch-up left {len(idmap):,} rows but the set has {expected:,}"
+    masked = int(index.ntotal) - len(idmap)
+    if masked > MAX_MASKED_SHARE * index.ntotal:
+        return None, f"{masked:,} deleted rows are masked, more than {MAX_MASKED_SHARE:.0%}"
+    _refuse_duplicates(idmap, info, req.out)
+    say(f"index {info.name}: generation {current.generation} -> {info.generation}: "
+        f"-{len(dropped):,} ({'removed' if removed else 'masked'}) +{added:,} rows")
+    handle = IndexHandle(index, idmap, current.params)
+    rng = np.random.default_rng(req.seed + info.generation)
+    query_pos, _ = _sample_positions(rng, expected, req.queries, 0)
+    _, queries = setdata.gather(parts, info.dim, query_pos)
+    truth = _exact_truth(parts, info, queries, idmap, req.batch_rows)
+    params, recall, tried = tune(handle, queries, truth, req.recall_target)
+    if recall < req.recall_target <= current.recall_at_10 and ivf_of(index) is not None:
+        return None, f"recall@10 fell to {recall:.3f} after catch-up; retraining"
+    meta = _meta(req, info, budget, current.memory_estimate, handle, current, started,
+                 kind=current.kind, factory=current.factory, mode="catch-up")
+    meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
+                                   "recall_queries": len(queries)})
+    store.publish(req.out, index, idmap, meta)
+    return meta, f"+{added:,} -{len(dropped):,} rows"
+
+
+def _exact_truth(parts: list[Part], info: SetInfo, queries: np.ndarray, idmap: IdMap,
+                 batch_rows: int) -> np.ndarray:
+    """Exact top-10 labels of ``queries`` over the set's current rows."""
+    exact = ExactTopK(queries, 10, info.metric)
+    lookup = pa.array(idmap.labels)
+    for ids, vectors in setdata.iter_batches(parts, info.dim, batch_rows):
+        pos = pc.index_in(ids.cast(idmap.ids.type), value_set=idmap.ids)
+        labels = pc.take(lookup, pos).to_numpy(zero_copy_only=False)
+        exact.add(np.asarray(labels, np.int64), vectors)
+    return exact.result()

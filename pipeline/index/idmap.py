@@ -1,0 +1,80 @@
+"""The id map: FAISS int64 labels back to corpus ids, stored as Parquet (``label``, ``id``).
+
+Labels are handed out in increasing order and never reused, so the live labels stay sorted
+and a label -> id lookup is a binary search. A label missing from the map is dead (its row
+was deleted or rewritten): search drops it even where the index itself cannot remove it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.errors import StorageError
+
+
+class IdMap:
+    def __init__(self, labels: np.ndarray, ids: pa.Array) -> None:
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.ids = ids
+
+    @classmethod
+    def empty(cls, id_type: pa.DataType) -> IdMap:
+        return cls(np.zeros(0, np.int64), pa.array([], id_type))
+
+    @classmethod
+    def from_table(cls, table: pa.Table, where: str) -> IdMap:
+        if table.column_names[:2] != ["label", "id"]:
+            raise StorageError(f"{where} is not an id map (columns label, id)")
+        labels = table.column("label").to_numpy()
+        if len(labels) > 1 and not np.all(np.diff(labels) > 0):
+            raise StorageError(f"{where}: labels are not strictly increasing")
+        return cls(labels, table.column("id").combine_chunks())
+
+    def to_table(self) -> pa.Table:
+        return pa.table({"label": pa.array(self.labels, pa.int64()), "id": self.ids})
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def next_label(self) -> int:
+        return int(self.labels[-1]) + 1 if len(self.labels) else 0
+
+    def append(self, labels: np.ndarray, ids: pa.Array) -> None:
+        if len(labels) and len(self.labels) and labels[0] <= self.labels[-1]:
+            raise ValueError("labels must be appended in increasing order")
+        if len(self.ids) and ids.type != self.ids.type:
+            ids = ids.cast(self.ids.type)
+        self.labels = np.concatenate([self.labels, np.asarray(labels, np.int64)])
+        self.ids = pa.concat_arrays([self.ids, ids]) if len(self.ids) else ids
+
+    def drop_ids(self, ids: pa.Array) -> np.ndarray:
+        """Forget every entry whose corpus id is in ``ids``; returns their labels."""
+        if not len(ids) or not len(self.ids):
+            return np.zeros(0, np.int64)
+        if ids.type != self.ids.type:
+            ids = ids.cast(self.ids.type)
+        hit = pc.is_in(self.ids, value_set=ids).to_numpy(zero_copy_only=False)
+        dropped = self.labels[hit]
+        keep = ~hit
+        self.labels = self.labels[keep]
+        self.ids = self.ids.filter(pa.array(keep))
+        return dropped
+
+    def lookup(self, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions into ``ids``, live mask) for FAISS result labels (-1 = no result)."""
+        flat = np.asarray(labels, np.int64).ravel()
+        pos = np.searchsorted(self.labels, flat)
+        pos = np.minimum(pos, max(len(self.labels) - 1, 0))
+        live = (flat >= 0) & (len(self.labels) > 0)
+        if len(self.labels):
+            live &= self.labels[pos] == flat
+        return pos.reshape(np.shape(labels)), live.reshape(np.shape(labels))
+
+    def duplicates(self, limit: int = 3) -> list:
+        """A few corpus ids that appear more than once (a set must hold each id once)."""
+        counts = pc.value_counts(self.ids)
+        repeated = counts.filter(pc.greater(counts.field("counts"), 1))
+        return repeated.field("values").to_pylist()[:limit]

@@ -1,0 +1,53 @@
+"""Tuning search parameters: the cheapest setting whose recall@10 reaches the target."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from pipeline.index.exact import recall_at
+from pipeline.index.handle import IndexHandle, hnsw_of, ivf_of
+
+EF_SEARCH = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def candidates(handle: IndexHandle) -> list[dict[str, int]]:
+    """Settings to try, cheapest first; one empty setting for kinds with nothing to tune."""
+    ivf = ivf_of(handle.index)
+    if ivf is not None:
+        steps, value = [], 1
+        while value < ivf.nlist:
+            steps.append(value)
+            value *= 2
+        return [{"nprobe": v} for v in [*steps, ivf.nlist]]
+    if hnsw_of(handle.index) is not None:
+        return [{"efSearch": v} for v in EF_SEARCH]
+    return [{}]
+
+
+def tune(handle: IndexHandle, queries: np.ndarray, truth: np.ndarray, target: float,
+         k: int = 10, log: Callable[[str], None] | None = None) -> tuple[dict, float, list]:
+    """Try settings in order and keep the first reaching ``target`` (else the best seen)."""
+    tried = []
+    best: tuple[float, dict] | None = None
+    for params in candidates(handle):
+        handle.tune(params)
+        _, found = handle.search_labels(queries, k)
+        recall = recall_at(found, truth, k)
+        tried.append({**params, "recall_at_10": round(recall, 4)})
+        if log:
+            log(f"  {params or 'exact'}: recall@{k} {recall:.4f}")
+        if best is None or recall > best[0] + 1e-9:
+            best = (recall, params)
+        if recall >= target or _plateau(tried):
+            break
+    recall, params = best if best else (1.0, {})
+    handle.tune(params)
+    return params, recall, tried
+
+
+def _plateau(tried: list[dict], steps: int = 3) -> bool:
+    """Recall has not moved over the last ``steps`` settings (quantisation bounds it)."""
+    last = [t["recall_at_10"] for t in tried[-steps:]]
+    return len(last) == steps and max(last) - min(last) < 1e-3

@@ -1,0 +1,95 @@
+"""Writing embedding sets for index tests, following the on-disk contract (COMMON.md).
+
+``OUT/sets/<set>/part-*.parquet`` (id, embedding), ``_SET.json`` and ``_changes/<g>.json``.
+Vectors are synthetic: clustered (for recall of approximate kinds) or exactly known.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def clustered(rows: int, dim: int, seed: int = 0, clusters: int = 64,
+              spread: float = 0.35, normalize: bool = True) -> np.ndarray:
+    """Gaussian blobs around random centres: a realistic shape for IVF/HNSW recall."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, dim)).astype(np.float32)
+    which = rng.integers(0, clusters, rows)
+    x = centres[which] + spread * rng.standard_normal((rows, dim)).astype(np.float32)
+    if normalize:
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x.astype(np.float32)
+
+
+def part_table(ids: list | np.ndarray, vectors: np.ndarray) -> pa.Table:
+    flat = pa.array(np.ascontiguousarray(vectors, np.float32).ravel(), pa.float32())
+    emb = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
+    return pa.table({"id": pa.array(ids), "embedding": emb})
+
+
+def meta(name: str, dim: int, normalize: bool = True, generation: int = 1,
+         fingerprint: str = "fp-test", **extra) -> dict:
+    return {
+        "name": name, "fingerprint": fingerprint, "model": "synthetic", "model_hash": "none",
+        "encoder": {}, "pooler": {"name": name}, "dim": dim, "dtype": "fp32",
+        "normalize": normalize, "max_length": 128, "window": None, "shards_done": 1,
+        "rows_written": 0, "rows_skipped": {}, "generation": generation, **extra,
+    }
+
+
+def write_set(out: Path, name: str, ids, vectors: np.ndarray, parts: int = 3,
+              normalize: bool = True, generation: int = 1, changes: bool = True,
+              row_group: int = 1000, **extra) -> list[str]:
+    """Write a whole set (split into ``parts``); returns the part names."""
+    folder = out / "sets" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = list(ids)
+    names = []
+    for i, chunk in enumerate(np.array_split(np.arange(len(ids)), parts)):
+        part = f"part-{i:05d}.parquet"
+        pq.write_table(part_table([ids[j] for j in chunk], vectors[chunk]), folder / part,
+                       row_group_size=row_group)
+        names.append(part)
+    write_meta(out, name, meta(name, vectors.shape[1], normalize, generation, **extra))
+    if changes:
+        write_changes(out, name, generation, names, [])
+    return names
+
+
+def write_part(out: Path, name: str, part: str, ids, vectors: np.ndarray) -> None:
+    pq.write_table(part_table(list(ids), vectors), out / "sets" / name / part)
+
+
+def write_meta(out: Path, name: str, payload: dict) -> None:
+    (out / "sets" / name / "_SET.json").write_text(json.dumps(payload))
+
+
+def bump(out: Path, name: str, parts: list[str], deleted: list, **changes) -> int:
+    """Record a run: generation + 1, its changes file; returns the new generation."""
+    path = out / "sets" / name / "_SET.json"
+    payload = json.loads(path.read_text()) | changes
+    payload["generation"] += 1
+    path.write_text(json.dumps(payload))
+    write_changes(out, name, payload["generation"], parts, deleted)
+    return payload["generation"]
+
+
+def write_changes(out: Path, name: str, generation: int, parts: list[str], deleted: list) -> None:
+    folder = out / "sets" / name / "_changes"
+    folder.mkdir(parents=True, exist_ok=True)
+    body = {"generation": generation, "parts": parts, "deleted_ids": deleted}
+    (folder / f"{generation:06d}.json").write_text(json.dumps(body))
+
+
+def exact_top(vectors: np.ndarray, queries: np.ndarray, k: int, metric: str = "ip") -> np.ndarray:
+    """Positions of the exact top-k by brute force in numpy (independent of FAISS)."""
+    if metric == "ip":
+        scores = queries @ vectors.T
+        return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    d = ((queries[:, None, :] - vectors[None, :, :]) ** 2).sum(-1)
+    return np.argsort(d, axis=1, kind="stable")[:, :k]
