@@ -63,7 +63,10 @@ ENV VIRTUAL_ENV=/opt/venv \
     EMBEDPIPE_APP_DIR=/app \
     EMBEDPIPE_CACHE=/home/embedpipe/.cache/embedpipe \
     PREFECT_HOME=/home/embedpipe/.prefect
-RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin embedpipe
+# Folders that compose mounts named volumes on must exist, owned by the user, in the image.
+RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin embedpipe \
+ && mkdir -p /home/embedpipe/.prefect /home/embedpipe/.cache/embedpipe \
+ && chown -R embedpipe:embedpipe /home/embedpipe
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /app /app
 WORKDIR /app

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -71,10 +71,8 @@ def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         with _gone():
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
     with _gone():  # children (uvicorn, flow runs) may outlive the leader
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -82,10 +80,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 @contextmanager
 def _gone() -> Iterator[None]:
-    try:
+    with suppress(ProcessLookupError):
         yield
-    except ProcessLookupError:
-        pass
 
 
 def group_alive(proc: subprocess.Popen) -> bool:
@@ -108,7 +104,8 @@ def wait_healthy(api_url: str, proc: subprocess.Popen, log: Path) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"prefect server not healthy in {START_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
+    tail = log.read_text()[-4000:]
+    raise RuntimeError(f"prefect server unhealthy after {START_TIMEOUT_S}s:\n{tail}")
 
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> str:
