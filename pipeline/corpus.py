@@ -32,7 +32,7 @@ class CorpusInfo(BaseModel):
 
     url: str
     files: tuple[FileLayout, ...]
-    id_type: str  # "int64", "string", ...: every part of every set stores ids as this type
+    id_type: str  # the corpus id type ("uint32", "string", ...): every part stores ids as this
     rows: int
 
 
@@ -66,7 +66,7 @@ def describe(url: str, id_column: str, text_column: str) -> CorpusInfo:
     rows = sum(sum(f.group_rows) for f in layouts)
     if rows == 0:
         raise CorpusError(f"corpus {url} is empty: {len(urls)} Parquet file(s), 0 rows")
-    id_type = "int64" if kinds == {"int"} else "string"
+    id_type = _common_type(set(id_types.values()), kinds)
     return CorpusInfo(url=url, files=tuple(layouts), id_type=id_type, rows=rows)
 
 
@@ -78,6 +78,13 @@ def _footer(file_url: str) -> tuple[pq.FileMetaData, pa.Schema]:
         raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {_line(exc)}") from None
     except (OSError, pa.ArrowException) as exc:
         raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {_line(exc)}") from None
+
+
+def _common_type(types: set[pa.DataType], kinds: set[str]) -> str:
+    """The files' id type if they agree, else the widest of its kind (int64 or string)."""
+    if len(types) == 1:
+        return str(next(iter(types)))
+    return "int64" if kinds == {"int"} else "large_string"
 
 
 def _line(exc: BaseException) -> str:
@@ -111,7 +118,7 @@ def _relative(file_url: str, root: str) -> str:
 
 
 def arrow_id_type(id_type: str) -> pa.DataType:
-    return pa.int64() if id_type == "int64" else pa.string()
+    return pa.type_for_alias(id_type)
 
 
 # ---- content hashes and id keys -------------------------------------------------------------
@@ -125,6 +132,8 @@ def text_hash(text: str) -> int:
 def id_keys(ids: pa.Array) -> np.ndarray:
     """A uint64 key per non-null id: the value itself for integers, a hash for strings."""
     ids = ids.drop_null()
+    if pa.types.is_unsigned_integer(ids.type):
+        return ids.cast(pa.uint64()).to_numpy(zero_copy_only=False)
     if pa.types.is_integer(ids.type):
         return ids.cast(pa.int64()).to_numpy(zero_copy_only=False).view(np.uint64)
     return np.fromiter(
@@ -173,7 +182,7 @@ def find_duplicates(info: CorpusInfo, id_column: str) -> Duplicates:
 
 
 def _maybe_repeated(value: object, repeated: np.ndarray) -> bool:
-    key = np.uint64(np.int64(value).view(np.uint64)) if isinstance(value, int) else text_hash(value)
+    key = value & 0xFFFF_FFFF_FFFF_FFFF if isinstance(value, int) else text_hash(value)
     i = np.searchsorted(repeated, np.uint64(key))
     return bool(i < len(repeated) and repeated[i] == key)
 

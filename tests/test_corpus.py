@@ -115,3 +115,22 @@ def test_truncated_file_is_named(tmp_path):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CorpusError, match=r"a\.parquet"):
         describe(str(path), "id", "text")
+
+
+def test_id_type_is_kept_when_files_agree_and_widened_when_not(tmp_path):
+    pq.write_table(pa.table({"id": pa.array([1, 2], pa.uint32()), "text": ["a", "b"]}),
+                   tmp_path / "a.parquet")
+    assert describe(str(tmp_path / "a.parquet"), "id", "text").id_type == "uint32"
+    pq.write_table(pa.table({"id": pa.array([3], pa.int16()), "text": ["c"]}),
+                   tmp_path / "b.parquet")
+    info = describe(str(tmp_path), "id", "text")
+    assert info.id_type == "int64"
+    shard = plan_shards(info.files, 10)[0]
+    assert next(read_shard(shard, "id", "text", info.id_type)).ids.type == pa.int64()
+
+
+def test_duplicates_among_large_unsigned_ids(tmp_path):
+    ids = pa.array([2**64 - 1, 5, 2**64 - 1, 2**63], pa.uint64())
+    pq.write_table(pa.table({"id": ids, "text": ["a"] * 4}), tmp_path / "a.parquet")
+    dupes = find_duplicates(describe(str(tmp_path / "a.parquet"), "id", "text"), "id")
+    assert dupes.rows == 1 and dupes.drop == {"a.parquet": [2]}
