@@ -85,6 +85,14 @@ def test_settings_env_over_file_over_defaults(tmp_path, monkeypatch):
     assert os.environ["EMBEDPIPE_CACHE"] == "/var/cache/embedpipe"
 
 
+def test_example_settings_file_loads(monkeypatch):
+    for var in ("EMBEDPIPE_DEVICE", "EMBEDPIPE_DTYPE", "EMBEDPIPE_RUNNER"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(CONFIG_ENV, str(INFRA / "embedpipe.toml"))
+    settings = load_settings()
+    assert (settings.device, settings.dtype, settings.runner) == ("auto", "auto", "threads")
+
+
 def test_settings_bad_values_fail_with_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     monkeypatch.setenv("EMBEDPIPE_DEVICE", "gpu")
