@@ -89,6 +89,9 @@ def set_meta(embedder, job: EmbedJob, name: str, id_type: str) -> sets.SetMeta:
         max_length=info.max_length,
         window=window.model_dump(mode="json") if window else None,
         id_type=id_type,
+        corpus=job.corpus,
+        id_column=job.id_column,
+        text_column=job.text_column,
     )
 
 

@@ -42,6 +42,9 @@ class SetMeta(BaseModel):
     max_length: int
     window: dict | None = None
     id_type: str = "string"
+    corpus: str | None = None  # where the texts are: search joins snippets back by id
+    id_column: str = "id"
+    text_column: str = "text"
     shards_done: int = 0
     rows_written: int = 0
     rows_skipped: dict[str, int] = {}
