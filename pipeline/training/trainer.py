@@ -109,9 +109,7 @@ def _cache_states(encoder: Encoder, pairs: Pairs, train_rows: np.ndarray, val_ro
                   layers: tuple[int, ...], cfg: TrainConfig,
                   log: Log) -> tuple[StateCache, Split, Split]:
     """Fit the pairs into the memory budget, then encode each distinct string once."""
-    dtype = torch.bfloat16 if cfg.token_level and cfg.cache_dtype != "fp32" else torch.float32
-    if cfg.cache_dtype == "bf16":
-        dtype = torch.bfloat16
+    dtype = cache_dtype(cfg)
     used = np.unique(np.concatenate([*pairs.subset(train_rows), *pairs.subset(val_rows)]))
     tokens = encoder.tokenize([pairs.strings[i] for i in used])
     cost = np.zeros(len(pairs.strings), np.int64)
@@ -131,6 +129,13 @@ def _cache_states(encoder: Encoder, pairs: Pairs, train_rows: np.ndarray, val_ro
     row_of = np.full(len(pairs.strings), -1, np.int64)
     row_of[kept] = np.arange(len(kept))
     return cache, _split(pairs, train_rows, row_of), _split(pairs, val_rows, row_of)
+
+
+def cache_dtype(cfg: TrainConfig) -> torch.dtype:
+    """bf16 halves token-level caches (``auto``); per-text means are small, so fp32."""
+    if cfg.cache_dtype == "auto":
+        return torch.bfloat16 if cfg.token_level else torch.float32
+    return torch.bfloat16 if cfg.cache_dtype == "bf16" else torch.float32
 
 
 def _fit_budget(pairs: Pairs, train_rows: np.ndarray, val_rows: np.ndarray, cost: np.ndarray,
