@@ -13,6 +13,7 @@ every prefix listing with a bad-signature error, so a run could not get as far a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -84,9 +85,22 @@ def uploads_since(s3_server, mark: int) -> list[str]:
     return s3_server.faults.uploads[mark:]
 
 
-def test_embed_resume_backfill_on_s3(s3_server, s3_bucket, tiny_model_dir, prefect_api,
-                                     tmp_path, monkeypatch) -> None:
+def cli_json(capsys, argv: list[str]):
+    """Run ``embedpipe ARGV`` in this process; its stdout parsed as JSON."""
+    from flows.cli import main
+
+    capsys.readouterr()
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_embed_resume_backfill_index_query_on_s3(s3_server, s3_bucket, tiny_model_dir,
+                                                 prefect_api, tmp_path, monkeypatch,
+                                                 capsys) -> None:
     from flows.embed import backfill_flow, embed_flow
+    from flows.index import index_flow
 
     root = f"s3://{s3_bucket}"
     out = storage.join(root, "out")
@@ -147,6 +161,43 @@ def test_embed_resume_backfill_on_s3(s3_server, s3_bucket, tiny_model_dir, prefe
     assert not [k for k in written if "/sets/mean/" in k or "/sets/cls/" in k]
     assert sets.list_sets(out) == ["cls", "max", "mean"]
     assert sorted(set_rows(out, "max")) == sorted(ids)
+
+    # 5. index every set: built locally from streamed parts, published to S3, marker last
+    results = index_flow(out)
+    assert sorted(r["meta"]["name"] for r in results) == ["cls", "max", "mean"]
+    assert all(r["meta"]["rows"] == len(ids) for r in results)
+    for name in ("cls", "max", "mean"):
+        published = s3_server.keys(s3_bucket, f"out/index/{name}/")
+        assert f"out/index/{name}/_INDEX.json" in published and len(published) >= 3
+        marker = [k for k in s3_server.faults.uploads if k.endswith(f"index/{name}/_INDEX.json")]
+        assert s3_server.faults.uploads.index(marker[-1]) > max(
+            s3_server.faults.uploads.index(k) for k in s3_server.faults.uploads
+            if f"/index/{name}/" in k and not k.endswith("_INDEX.json"))
+
+    # 6. query and eval over S3 (index downloaded into the cache, snippets read from the
+    # S3 corpus) answer exactly as the same commands over the local copy
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
+    index_flow(storage.join(local, "out"), "mean")
+    text = corpus_table(1000, 48).column("text")[7].as_py()
+    answers = {}
+    for where in (out, storage.join(local, "out")):
+        answers[where] = cli_json(capsys, ["query", where, text, "--set", "mean", "-k", "5",
+                                           "--json"])
+    on_s3, on_disk = answers[out]["results"], answers[storage.join(local, "out")]["results"]
+    assert [h["id"] for h in on_s3] == [h["id"] for h in on_disk]
+    np.testing.assert_allclose([h["score"] for h in on_s3], [h["score"] for h in on_disk],
+                               rtol=1e-6)
+    assert on_s3[0]["snippet"] == text and on_s3[0]["score"] == pytest.approx(1.0, abs=1e-4)
+    assert any((tmp_path / "cache").rglob("*")), "the S3 index was not cached locally"
+
+    queries = f"s3://{s3_bucket}/eval/queries.parquet"
+    table = corpus_table(0, 48).slice(0, 10)
+    storage.write_parquet(queries, pa.table({"query": table.column("text"),
+                                             "doc_id": table.column("id")}))
+    report = cli_json(capsys, ["eval", out, queries, "--set", "mean", "--json"])
+    assert len(report) == 1, report
+    assert report[0]["queries"] == len(set(table.column("text").to_pylist()))
+    assert report[0]["scores"]["recall@10"] == 1.0  # each text finds its own row
 
 
 @pytest.fixture
