@@ -1,0 +1,209 @@
+"""Index builds on real Parquet sets and real FAISS indexes: known answers, recall, kinds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _index_sets import bump, clustered, exact_top, meta, write_meta, write_part, write_set
+
+from pipeline import storage
+from pipeline.errors import ConfigError, FingerprintError, StorageError
+from pipeline.index import IndexRequest, index_set, open_index, read_meta, store
+from pipeline.index import plan as plan_module
+
+
+def build(out: Path, name: str = "s", **kw):
+    return index_set(IndexRequest(out=str(out), set_name=name, **kw), say=lambda _: None)
+
+
+def test_flat_returns_the_known_nearest_neighbours(tmp_path):
+    x = clustered(600, 16, seed=1)
+    ids = [f"doc-{i}" for i in range(len(x))]
+    write_set(tmp_path, "s", ids, x, parts=3, row_group=128)
+    result = build(tmp_path)
+    m = result.meta
+    assert (result.action, m.kind, m.metric, m.dim, m.rows) == ("built", "flat", "ip", 16, 600)
+    assert m.recall_at_10 == 1.0 and m.fingerprint == "fp-test" and m.generation == 1
+    on_disk = json.loads((tmp_path / "index" / "s" / "_INDEX.json").read_text())
+    assert on_disk["kind"] == "flat" and on_disk["recall_at_10"] == 1.0
+    handle = open_index(str(tmp_path), m)
+    queries = clustered(40, 16, seed=2)
+    want = exact_top(x, queries, 5)
+    got = handle.search(queries, 5)
+    assert [[i for i, _ in row] for row in got] == [[ids[j] for j in row] for row in want]
+    top = handle.search(x[:10], 1)
+    assert [row[0][0] for row in top] == ids[:10]
+    assert all(abs(row[0][1] - 1.0) < 1e-5 for row in top)  # cosine with itself
+
+
+def test_l2_sets_with_integer_ids(tmp_path):
+    x = clustered(300, 8, seed=3, normalize=False) * 10
+    ids = list(range(1000, 1300))
+    write_set(tmp_path, "raw", ids, x, normalize=False)
+    m = build(tmp_path, "raw").meta
+    assert m.metric == "l2"
+    queries = clustered(20, 8, seed=4, normalize=False) * 10
+    got = open_index(str(tmp_path), m).search(queries, 3)
+    want = exact_top(x, queries, 3, metric="l2")
+    assert [[i for i, _ in row] for row in got] == [[ids[j] for j in row] for row in want]
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf", "ivfsq"])
+def test_approximate_kinds_reach_the_recall_target(tmp_path, kind):
+    x = clustered(6000, 16, seed=5, clusters=32)
+    ids = [f"d{i}" for i in range(len(x))]
+    write_set(tmp_path, "s", ids, x, parts=2)
+    m = build(tmp_path, kind=kind, queries=300).meta
+    assert m.kind == kind and m.recall_at_10 >= 0.95 and m.recall_queries == 300
+    assert m.params and set(m.params) <= {"nprobe", "efSearch"}
+    assert m.tuning[-1]["recall_at_10"] >= 0.95
+    # An independent check: fresh queries near the data, exact answers from numpy.
+    queries = x[:200] + 0.05 * np.random.default_rng(6).standard_normal((200, 16)).astype("f4")
+    got = open_index(str(tmp_path), m).search(queries, 10)
+    want = exact_top(x, queries, 10)
+    recall = np.mean([len({i for i, _ in g} & {ids[j] for j in w}) / 10
+                      for g, w in zip(got, want, strict=True)])
+    assert recall >= 0.9
+
+
+def test_any_faiss_factory_string(tmp_path):
+    x = clustered(3000, 16, seed=7)
+    write_set(tmp_path, "s", [f"d{i}" for i in range(len(x))], x)
+    m = build(tmp_path, kind="IVF32,SQ8").meta
+    assert (m.kind, m.factory) == ("factory", "IVF32,SQ8")
+    assert "nprobe" in m.params and m.recall_at_10 >= 0.95
+    with pytest.raises(ConfigError, match="FAISS cannot build index 'NotAnIndex'"):
+        build(tmp_path, kind="NotAnIndex", rebuild=True)
+
+
+def test_auto_picks_the_kind_by_size_and_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_module, "FLAT_MAX_ROWS", 1_000)
+    monkeypatch.setattr(plan_module, "HNSW_MAX_ROWS", 3_000)
+    x = clustered(8_000, 16, seed=8)
+    chosen = {}
+    for rows, budget in [(800, "1GB"), (2_500, "1GB"), (8_000, "1GB"), (8_000, "2.7MB")]:
+        out = tmp_path / f"{rows}-{budget}"
+        write_set(out, "s", [f"d{i}" for i in range(rows)], x[:rows])
+        m = build(out, memory_budget=budget).meta
+        chosen[(rows, budget)] = m.kind
+        assert m.recall_at_10 >= 0.95 and m.memory_estimate <= m.memory_budget
+    assert chosen == {(800, "1GB"): "flat", (2_500, "1GB"): "hnsw", (8_000, "1GB"): "ivf",
+                      (8_000, "2.7MB"): "ivfsq"}
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_catch_up_adds_rewrites_and_deletes_without_rebuild(tmp_path, kind):
+    x = clustered(4_000, 16, seed=9)
+    ids = [f"d{i}" for i in range(3_000)]
+    parts = write_set(tmp_path, "s", ids, x[:3_000], parts=4)  # 750 rows each
+    first = build(tmp_path, kind=kind).meta
+    # Run 2: part 1 (d750..d1499) is rewritten: d750..d849 deleted, d850..d949 get new
+    # vectors; part 4 is new (d3000..d3999).
+    p1_ids = [f"d{i}" for i in range(850, 1_500)]
+    p1_vec = x[850:1_500].copy()
+    p1_vec[:100] = clustered(100, 16, seed=10)
+    write_part(tmp_path, "s", parts[1], p1_ids, p1_vec)
+    new_ids = [f"d{i}" for i in range(3_000, 4_000)]
+    write_part(tmp_path, "s", "part-00004.parquet", new_ids, x[3_000:])
+    deleted = [f"d{i}" for i in range(750, 850)]
+
+    bump(tmp_path, "s", [parts[1], "part-00004.parquet"], deleted)
+    result = build(tmp_path, kind="auto")
+    m = result.meta
+    assert result.action == "caught up" and m.mode == "catch-up" and m.generation == 2
+    assert m.kind == first.kind and m.rows == 3_900
+    handle = open_index(str(tmp_path), m)
+    assert set(handle.idmap.ids.to_pylist()) == set(ids[:750] + p1_ids + ids[1_500:] + new_ids)
+    if kind == "hnsw":  # HNSW cannot delete: the 750 old rows of part 1 are masked
+        assert m.masked == 750 and m.ntotal == 4_650
+    else:
+        assert m.masked == 0 and m.ntotal == 3_900
+    found = handle.search(np.vstack([x[3_000:3_020], p1_vec[:20]]), 1)
+    assert [r[0][0] for r in found] == new_ids[:20] + p1_ids[:20]
+    gone = {i for row in handle.search(x[750:950], 10) for i, _ in row}
+    assert not gone & set(deleted)
+    assert build(tmp_path).action == "up to date"
+
+
+def test_missing_changes_file_or_rebuild_flag_means_a_full_build(tmp_path):
+    x = clustered(1_000, 8, seed=11)
+    parts = write_set(tmp_path, "s", [f"d{i}" for i in range(1_000)], x)
+    build(tmp_path)
+    write_part(tmp_path, "s", parts[0], [f"n{i}" for i in range(10)], x[:10])
+
+    generation = bump(tmp_path, "s", [parts[0]], [])
+    (tmp_path / "sets" / "s" / "_changes" / f"{generation:06d}.json").unlink()
+    result = build(tmp_path)
+    assert (result.action, result.reason, result.meta.mode) == (
+        "built", "a changes file is missing", "full")
+    assert build(tmp_path, rebuild=True).reason == "asked to rebuild"
+
+
+def test_index_refuses_a_set_of_another_fingerprint_or_dimension(tmp_path):
+    x = clustered(500, 8, seed=12)
+    parts = write_set(tmp_path, "s", [f"d{i}" for i in range(500)], x)
+    build(tmp_path)
+    write_meta(tmp_path, "s", meta("s", 8, fingerprint="fp-other", generation=2))
+    with pytest.raises(FingerprintError, match=r"fp-test .* now has fp-other.*--rebuild"):
+        build(tmp_path)
+    write_part(tmp_path, "s", parts[0], ["x"], np.ones((1, 4), "f4"))
+    with pytest.raises(FingerprintError, match=r"part-00000.parquet holds 4-dim vectors .* dim 8"):
+        build(tmp_path, rebuild=True)
+
+
+def test_duplicate_ids_across_parts_are_refused(tmp_path):
+    x = clustered(100, 8, seed=13)
+    write_set(tmp_path, "s", [f"d{i % 60}" for i in range(100)], x, parts=2)
+    with pytest.raises(StorageError, match=r"holds ids more than once \(e.g. \['d"):
+        build(tmp_path)
+
+
+def test_missing_set_and_empty_set_are_explained(tmp_path):
+    with pytest.raises(StorageError, match=r"no set 'nope' under .*sets \(sets there: none\)"):
+        build(tmp_path, "nope")
+    write_set(tmp_path, "empty", [], np.zeros((0, 8), "f4"), parts=1)
+    with pytest.raises(StorageError, match="has no rows to index"):
+        build(tmp_path, "empty")
+
+
+def test_publish_is_versioned_and_a_reader_of_the_previous_version_still_loads(tmp_path):
+    x = clustered(400, 8, seed=14)
+    write_set(tmp_path, "s", [f"d{i}" for i in range(400)], x)
+    first = build(tmp_path).meta
+    second = build(tmp_path, rebuild=True).meta
+    # A reader that read _INDEX.json before the second publish can still load its files.
+    assert open_index(str(tmp_path), first).search(x[:1], 1)[0][0][0] == "d0"
+    third = build(tmp_path, rebuild=True).meta
+    assert third.previous_token == second.token
+    files = sorted(p.name for p in (tmp_path / "index" / "s").iterdir())
+    assert files == sorted(["_INDEX.json", second.index_file, second.idmap_file,
+                            third.index_file, third.idmap_file])
+    assert read_meta(str(tmp_path), "s") == third
+
+
+def test_index_on_s3_builds_locally_uploads_and_loads_through_a_cache(
+        tmp_path, s3_bucket, monkeypatch):
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
+    x = clustered(1_500, 8, seed=15)
+    local = tmp_path / "local"
+    parts = write_set(local, "s", [f"d{i}" for i in range(1_500)], x)
+    out = f"s3://{s3_bucket}/run"
+    storage.upload_dir(local / "sets", f"{out}/sets")
+    m = index_set(IndexRequest(out=out, set_name="s", kind="ivf"), say=lambda _: None).meta
+    listed = {u.rsplit("/", 1)[-1] for u in storage.list_files(f"{out}/index/s")}
+    assert listed == {"_INDEX.json", m.index_file, m.idmap_file}
+    handle = open_index(out, read_meta(out, "s"))
+    assert handle.search(x[:3], 1)[0][0][0] == "d0"
+    assert (tmp_path / "cache" / "index" / s3_bucket / "run/index/s" / m.token).is_dir()
+    # Catch-up on S3: a deletion recorded by a run reaches the published index.
+
+    write_part(local, "s", parts[0], [f"d{i}" for i in range(1, 500)], x[1:500])
+    bump(local, "s", [parts[0]], ["d0"])
+    storage.upload_dir(local / "sets", f"{out}/sets")
+    caught = index_set(IndexRequest(out=out, set_name="s"), say=lambda _: None)
+    assert (caught.action, caught.meta.rows) == ("caught up", 1_499), caught.reason
+    top = open_index(out, store.read_meta(out, "s")).search(x[:1], 3)[0]
+    assert "d0" not in [i for i, _ in top]
