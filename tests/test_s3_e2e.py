@@ -14,8 +14,13 @@ every prefix listing with a bad-signature error, so a run could not get as far a
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -94,6 +99,29 @@ def cli_json(capsys, argv: list[str]):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return json.loads(captured.out)
+
+
+@contextmanager
+def serving(out: str, set_name: str) -> Iterator[str]:
+    """The query server app for ``out`` under uvicorn on 127.0.0.1 (a free port), in a thread."""
+    import uvicorn
+
+    from pipeline.server import ServerConfig, create_app
+
+    app = create_app(ServerConfig(out=out, sets=(set_name,)))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:  # a start-up wait, not a timing assertion
+            if not thread.is_alive():
+                raise RuntimeError("the query server did not start")
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
 
 
 def test_embed_resume_backfill_index_query_on_s3(s3_server, s3_bucket, tiny_model_dir,
@@ -189,6 +217,14 @@ def test_embed_resume_backfill_index_query_on_s3(s3_server, s3_bucket, tiny_mode
                                rtol=1e-6)
     assert on_s3[0]["snippet"] == text and on_s3[0]["score"] == pytest.approx(1.0, abs=1e-4)
     assert any((tmp_path / "cache").rglob("*")), "the S3 index was not cached locally"
+
+    with serving(out, "mean") as base:  # `embedpipe serve` over S3: a real HTTP round trip
+        response = httpx.post(f"{base}/search", json={"query": text, "k": 5}, timeout=60)
+    assert response.status_code == 200, response.text
+    served = response.json()["results"][0]
+    assert [h["id"] for h in served] == [h["id"] for h in on_s3]
+    np.testing.assert_allclose([h["score"] for h in served], [h["score"] for h in on_s3],
+                               rtol=1e-6)
 
     queries = f"s3://{s3_bucket}/eval/queries.parquet"
     table = corpus_table(0, 48).slice(0, 10)
