@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--patience", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--temperature", type=float, default=0.05)
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--max-pairs", type=int, help="train on at most this many pairs")

@@ -51,7 +51,7 @@ class TrainConfig(BaseModel):
     epochs: int = Field(default=10, gt=0)
     patience: int = Field(default=2, ge=1)
     batch_size: int = Field(default=256, ge=2)
-    lr: float = Field(default=2e-3, gt=0)
+    lr: float = Field(default=5e-4, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     temperature: float = Field(default=0.05, gt=0)
     val_fraction: float = Field(default=0.1, gt=0, lt=1)
