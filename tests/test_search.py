@@ -1,0 +1,93 @@
+"""Search with a set's own model: the tiny BERT encodes queries, snippets come from the corpus."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _search_sets import TEXTS, embedded_set
+
+from flows.cli import main
+from pipeline.errors import FingerprintError, StorageError
+from pipeline.index import IndexRequest, index_set
+from pipeline.search import Searcher
+
+
+@pytest.fixture(scope="module")
+def indexed(tmp_path_factory, tiny_model_dir) -> Path:
+    out = embedded_set(tmp_path_factory.mktemp("search"), tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    return out
+
+
+def test_a_document_text_finds_itself_first_with_its_snippet(indexed):
+    searcher = Searcher(str(indexed))
+    assert searcher.name == "mean" and not searcher.stale
+    results = searcher.search([TEXTS[3], TEXTS[17]], k=5)
+    assert [r[0].id for r in results] == [103, 117]
+    assert all(abs(r[0].score - 1.0) < 1e-4 for r in results)
+    assert results[0][0].snippet == TEXTS[3] and results[1][0].snippet == TEXTS[17]
+    assert [h.rank for h in results[0]] == [1, 2, 3, 4, 5]
+    scores = [h.score for h in results[0]]
+    assert scores == sorted(scores, reverse=True)
+    assert all(h.snippet == TEXTS[h.id - 100] for r in results for h in r)
+
+
+def test_query_cli_prints_rank_score_id_snippet_and_json(indexed, capsys):
+    assert main(["query", str(indexed), TEXTS[5], "-k", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3
+    rank, score, doc_id, *snippet = lines[0].split()
+    assert (rank, doc_id, " ".join(snippet)) == ("1", "105", TEXTS[5])
+    assert float(score) == pytest.approx(1.0, abs=1e-3)
+    assert main(["query", str(indexed), TEXTS[5], "-k", "2", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["set"] == "mean" and payload["query"] == TEXTS[5]
+    assert [r["rank"] for r in payload["results"]] == [1, 2]
+    assert payload["results"][0]["id"] == 105 and payload["results"][0]["snippet"] == TEXTS[5]
+
+
+def test_query_on_a_set_without_an_index_says_how_to_build_one(tmp_path, tiny_model_dir,
+                                                               capsys):
+    out = embedded_set(tmp_path, tiny_model_dir, name="cls_set", strategy="cls")
+    with pytest.raises(StorageError, match=r"no index .* `embedpipe index .* --set cls_set`"):
+        Searcher(str(out), "cls_set")
+    assert main(["query", str(out), "hello", "--set", "cls_set"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("embedpipe query: error: set 'cls_set' has no index")
+    assert f"`embedpipe index {out} --set cls_set`" in err and len(err.splitlines()) == 1
+
+
+def test_an_index_of_other_vectors_is_refused(tmp_path, tiny_model_dir):
+    out = embedded_set(tmp_path, tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    path = out / "sets" / "mean" / "_SET.json"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps(meta | {"fingerprint": "0123456789abcdef"}))
+    with pytest.raises(FingerprintError, match=r"index .* fingerprint .* --rebuild"):
+        Searcher(str(out))
+    # Index rebuilt for the new fingerprint: now the embedder itself does not match it.
+    index_set(IndexRequest(out=str(out), set_name="mean", rebuild=True), say=lambda _: None)
+    with pytest.raises(FingerprintError, match="load as .* re-embed the set"):
+        Searcher(str(out))
+
+
+@pytest.fixture
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):  # a hang guard, not a timing
+        yield
+
+
+@pytest.mark.slow
+def test_index_command_runs_the_prefect_flow(tmp_path, tiny_model_dir, capsys, harness):
+    out = embedded_set(tmp_path, tiny_model_dir)
+    assert main(["index", str(out), "--set", "mean", "--memory-budget", "1GB"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("index mean: built (no index yet); flat [Flat] 20 rows")
+    assert main(["index", str(out)]) == 0
+    assert "index mean: up to date" in capsys.readouterr().out
+    assert main(["index", str(out), "--memory-budget", "lots"]) == 1
+    assert "memory budget 'lots' is not a size" in capsys.readouterr().err
