@@ -27,6 +27,7 @@ def embedded_set(root: Path, model_dir: Path, name: str = "mean", texts=TEXTS,
     """OUT under ``root`` with one set of ``texts`` (ids 100, 101, ...) and the corpus file."""
     out = root / "out"
     corpus = root / "corpus.parquet"
+    root.mkdir(parents=True, exist_ok=True)
     ids = list(range(100, 100 + len(texts)))
     pq.write_table(pa.table({"id": ids, "text": list(texts)}), corpus)
     encoder = EncoderConfig(model=str(model_dir), dtype="fp32", device="cpu")
