@@ -121,6 +121,8 @@ def embed_shard(request: ShardRequest) -> ShardResult:
         hash_parts.append(chunk.hashes)
     ids = pa.concat_arrays(ids_parts) if ids_parts else pa.array([])
     hashes = np.concatenate(hash_parts) if hash_parts else np.zeros(0, np.uint64)
+    if quarantine:  # before any marker: a done shard always has its quarantine file
+        storage.write_parquet(sets.quarantine_url(job.out, shard.id), pa.concat_tables(quarantine))
     outcomes = []
     for work in request.sets:
         matrix = np.concatenate(vectors[work.name]) if vectors[work.name] else None
@@ -135,8 +137,6 @@ def embed_shard(request: ShardRequest) -> ShardResult:
                 written=written,
             )
         )
-    if quarantine:
-        storage.write_parquet(sets.quarantine_url(job.out, shard.id), pa.concat_tables(quarantine))
     return ShardResult(
         shard=shard.id,
         rows=len(ids),
