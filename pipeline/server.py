@@ -95,10 +95,11 @@ def _problem(status: int, reason: str, **headers: str) -> JSONResponse:
 
 
 class _BodyLimit:
-    """ASGI middleware: 413 for a body above ``limit`` bytes, declared or streamed."""
+    """ASGI middleware: 413 for a body above ``limit`` bytes, declared or streamed.
 
-    class TooLarge(Exception):
-        pass
+    The body is read here (never more than ``limit`` bytes are held) and replayed to the app,
+    so a chunked upload without Content-Length is bounded too.
+    """
 
     def __init__(self, app, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -107,25 +108,31 @@ class _BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                return await _problem(400, "invalid Content-Length header")(scope, receive, send)
-            if int(declared) > self.limit:
-                return await self._too_large(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        if declared is not None and not declared.isdigit():
+            return await _problem(400, "invalid Content-Length header")(scope, receive, send)
+        if declared is not None and int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        chunks, seen = [], 0
+        while True:
             message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise self.TooLarge
-            return message
+                return await self._too_large(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except self.TooLarge:
-            await self._too_large(scope, receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send):
         reason = f"request body is larger than {self.limit:,} bytes"
