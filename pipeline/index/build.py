@@ -58,9 +58,11 @@ class IndexResult(BaseModel):
         m = self.meta
         params = ", ".join(f"{k}={v}" for k, v in m.params.items()) or "exact"
         why = f" ({self.reason})" if self.reason else ""
+        short = (f", BELOW the target {m.recall_target:.2f}: try a larger --memory-budget "
+                 "or another --kind" if m.recall_at_10 < m.recall_target else "")
         return (f"index {m.name}: {self.action}{why}; {m.kind} [{m.factory}] {m.rows:,} rows, "
-                f"recall@10 {m.recall_at_10:.3f} ({params}), generation {m.generation}, "
-                f"{m.build_seconds:.1f}s")
+                f"recall@10 {m.recall_at_10:.3f} ({params}{short}), generation "
+                f"{m.generation}, {m.build_seconds:.1f}s")
 
 
 def index_set(req: IndexRequest, say: Callable[[str], None] = log.info) -> IndexResult:
