@@ -11,6 +11,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "__pycache__"}
@@ -33,8 +34,12 @@ def _docstrings(tree: ast.Module, module: str) -> Iterator[tuple[str, str]]:
                 yield f"{module}.{node.name}", doc
 
 
-def stdlib_docstrings(limit: int = 5000, min_chars: int = 40) -> pa.Table:
-    """Up to ``limit`` rows (id: int64, name: string, text: string), in a stable order."""
+def stdlib_docstrings(limit: int | None = None, min_chars: int = 40) -> pa.Table:
+    """Rows (id: int64, name: string, text: string) in a stable order.
+
+    With ``limit``, that many rows spread evenly over the whole library, so a small demo
+    still spans many modules.
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
     ids, names, texts = [], [], []
     seen: set[str] = set()
@@ -51,9 +56,11 @@ def stdlib_docstrings(limit: int = 5000, min_chars: int = 40) -> pa.Table:
             ids.append(len(ids))
             names.append(name)
             texts.append(doc)
-            if len(ids) >= limit:
-                return _table(ids, names, texts)
-    return _table(ids, names, texts)
+    table = _table(ids, names, texts)
+    if limit is not None and limit < table.num_rows:
+        picks = np.linspace(0, table.num_rows - 1, num=limit).round().astype(np.int64)
+        table = table.take(np.unique(picks))
+    return table
 
 
 def _table(ids: list[int], names: list[str], texts: list[str]) -> pa.Table:

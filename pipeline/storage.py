@@ -220,10 +220,10 @@ def write_json(url: str, payload: dict) -> None:
     write_bytes(url, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
 
 
-def write_parquet(url: str, table: pa.Table) -> None:
+def write_parquet(url: str, table: pa.Table, row_group_size: int | None = None) -> None:
     """Serialise ``table`` in memory, then write it atomically."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
+    pq.write_table(table, sink, compression="zstd", row_group_size=row_group_size)
     write_bytes(url, sink.getvalue())
 
 

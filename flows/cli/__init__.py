@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from pipeline.errors import EmbedpipeError
@@ -34,9 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_prefect() -> None:
+    """Prefect's own INFO lines would fight the progress bar; its warnings still show."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # the ephemeral API server starts in a subprocess: give it time on a busy machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_prefect()
     try:
+        from pipeline.settings import load_settings
+
+        load_settings().export_env()
         return int(args.func(args) or 0)
     except EmbedpipeError as exc:
         print(f"embedpipe {args.command}: error: {exc}", file=sys.stderr)

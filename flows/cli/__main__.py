@@ -1,0 +1,7 @@
+"""``python -m flows.cli`` is ``embedpipe``."""
+
+import sys
+
+from flows.cli import main
+
+sys.exit(main())
