@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--budget", default="2GB")
     ap.add_argument("--clusters", type=int, default=2_000)
-    ap.add_argument("--spread", type=float, default=0.06)
+    ap.add_argument("--spread", type=float, default=0.5,
+                    help="noise per dimension around a centre (0.5: cosine ~0.8 within a cluster)")
     ap.add_argument("--queries", type=int, default=1_000)
     ap.add_argument("--single", type=int, default=200, help="queries timed one at a time")
     ap.add_argument("--work", help="folder for the set (default: a temporary one)")
