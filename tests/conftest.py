@@ -97,3 +97,12 @@ def s3_bucket(s3_server) -> str:
     s3_server.client().create_bucket(Bucket=name)
     yield name
     s3_server.empty_bucket(name)
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One Prefect ephemeral API for the session: each start costs tens of seconds here."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):  # a hang guard, not a timing
+        yield

@@ -9,7 +9,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from _flowkit import job, read_set, same_vectors, text_for, tree_digest, write_corpus
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.embed import ShardFailed, backfill_flow, embed_flow, nightly_flow
 from pipeline import faults, sets, storage
@@ -21,9 +20,9 @@ TWO_SETS = [{"name": "mean"}, {"name": "cls", "layers": [-1, -2]}]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def harness():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def harness(prefect_api):
+    """Every test here runs flows on the session's Prefect test API."""
+    yield
 
 
 def make_corpus(folder) -> list[int]:

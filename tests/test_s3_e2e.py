@@ -39,14 +39,6 @@ WORDS = ["vector", "index", "shard", "parquet", "pooler", "encoder", "token", "b
          "upload", "query", "model", "batch", "window", "layer", "flow", "worker", "cluster"]
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):  # a hang guard, not a timing
-        yield
-
-
 def corpus_table(start: int, rows: int) -> pa.Table:
     rng = np.random.default_rng(start)
     texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 12)))) for _ in range(rows)]

@@ -73,16 +73,8 @@ def test_an_index_of_other_vectors_is_refused(tmp_path, tiny_model_dir):
         Searcher(str(out))
 
 
-@pytest.fixture
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):  # a hang guard, not a timing
-        yield
-
-
 @pytest.mark.slow
-def test_index_command_runs_the_prefect_flow(tmp_path, tiny_model_dir, capsys, harness):
+def test_index_command_runs_the_prefect_flow(tmp_path, tiny_model_dir, capsys, prefect_api):
     out = embedded_set(tmp_path, tiny_model_dir)
     assert main(["index", str(out), "--set", "mean", "--memory-budget", "1GB"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]

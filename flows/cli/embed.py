@@ -115,7 +115,7 @@ def run_embed(args: argparse.Namespace) -> int:
     _quiet_prefect()
     from flows.embed import embed_flow
 
-    summary = embed_flow(job.model_dump(mode="json"), progress=True)
+    summary = embed_flow(job.model_dump(mode="json", exclude_unset=True), progress=True)
     print(summary["line"])
     return 0
 
@@ -127,7 +127,7 @@ def run_backfill(args: argparse.Namespace) -> int:
     _quiet_prefect()
     from flows.embed import backfill_flow
 
-    summary = backfill_flow(job.model_dump(mode="json"), progress=True)
+    summary = backfill_flow(job.model_dump(mode="json", exclude_unset=True), progress=True)
     print(summary["line"].replace("embedded", "backfilled", 1))
     return 0
 
