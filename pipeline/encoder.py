@@ -195,6 +195,8 @@ class Encoder:
         self, ids: torch.Tensor, mask: torch.Tensor, layers: set[int], attention: bool
     ) -> TokenStates:
         """Run the model once; return the requested layers in float32."""
+        if self.device.type == "cuda":  # page-locked host memory: the copy really is async
+            ids, mask = ids.pin_memory(), mask.pin_memory()
         ids = ids.to(self.device, non_blocking=True)
         mask = mask.to(self.device, non_blocking=True)
         inputs = {"input_ids": ids, "attention_mask": mask.long()}
