@@ -100,7 +100,7 @@ def quarantine_url(out: str, shard: str) -> str:
 def list_sets(out: str) -> list[str]:
     """Names of the sets under ``OUT/sets`` that have metadata."""
     found = []
-    for url in storage.list_files(storage.join(out, "sets")):
+    for url in storage.list_dirs(storage.join(out, "sets")):
         name = url.rstrip("/").rsplit("/", 1)[-1]
         if storage.exists(storage.join(url, "_SET.json")):
             found.append(name)

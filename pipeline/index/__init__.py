@@ -7,8 +7,9 @@ loads a published index for search.
 from pipeline.index.build import IndexRequest, IndexResult, index_set
 from pipeline.index.handle import IndexHandle
 from pipeline.index.plan import IndexPlan, parse_bytes, plan_index
-from pipeline.index.setdata import SetInfo, list_sets, read_set
+from pipeline.index.setdata import SetInfo, read_set
 from pipeline.index.store import IndexMeta, index_url, read_meta
+from pipeline.sets import list_sets
 
 __all__ = [
     "IndexHandle", "IndexMeta", "IndexPlan", "IndexRequest", "IndexResult", "SetInfo",

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline import storage
 from pipeline.errors import FingerprintError, StorageError
+from pipeline.sets import list_sets
 
 
 class SetInfo(BaseModel):
@@ -51,15 +52,6 @@ class Part:
 
 def set_url(out: str, name: str) -> str:
     return storage.join(out, "sets", name)
-
-
-def list_sets(out: str) -> list[str]:
-    """Names of the sets under ``OUT/sets`` that have a ``_SET.json``."""
-    names = []
-    for url in storage.list_dirs(storage.join(out, "sets")):
-        if storage.exists(storage.join(url, "_SET.json")):
-            names.append(url.rstrip("/").rsplit("/", 1)[-1])
-    return names
 
 
 def read_set(out: str, name: str) -> SetInfo:
