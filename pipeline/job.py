@@ -137,6 +137,7 @@ def embed_shard(request: ShardRequest) -> ShardResult:
                 written=written,
             )
         )
+    release_freed_memory()
     return ShardResult(
         shard=shard.id,
         rows=len(ids),
@@ -248,3 +249,18 @@ def limit_threads(workers: int) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
     _THREADS_SET.set()
+
+
+def release_freed_memory() -> None:
+    """Hand heap memory freed by a finished shard back to the OS (glibc keeps it otherwise).
+
+    Each shard allocates and frees tens of MB of vectors, Arrow buffers and Parquet bytes.
+    Measured once on 60k rows: peak RSS 1.58 GB with the trim; without it the peak had
+    reached 1.68 GB when that run was stopped. Not a proven fix for growth over shards.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
