@@ -20,7 +20,7 @@ from pipeline.batching import token_budget_batches
 from pipeline.config import EncoderConfig, PoolerSpec, WindowAgg, stable_hash
 from pipeline.data import EmbeddingBatch, TextBatch
 from pipeline.encoder import Encoder, EncoderInfo
-from pipeline.poolers import Pooler
+from pipeline.poolers import Pooler, build_pooler
 from pipeline.windows import Pieces, truncate, windows
 
 MIN_FILL = 0.9  # a batch ends before real tokens fall under 90% of padded (bench/encode_bench.py)
@@ -30,8 +30,6 @@ class Embedder:
     """An encoder and its configured poolers; build once per worker (see ``get_embedder``)."""
 
     def __init__(self, encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> None:
-        from pipeline.poolers.base import REGISTRY, build_pooler  # noqa: F401
-
         self.cfg = encoder
         self.specs = {spec.name: spec for spec in poolers}
         wants_attention = any(_needs_attention(spec) for spec in poolers)
@@ -150,8 +148,8 @@ def aggregate_windows(raw: np.ndarray, pieces: Pieces, rows: int, how: WindowAgg
 
 
 def _needs_attention(spec: PoolerSpec) -> bool:
-    from pipeline.poolers import builtin  # noqa: F401
-    from pipeline.poolers.base import REGISTRY, build_pooler  # noqa: F401
+    from pipeline.poolers import builtin, learned  # noqa: F401  (fill the registry)
+    from pipeline.poolers.base import REGISTRY
 
     cls = REGISTRY.get(spec.strategy or spec.name)
     return bool(cls and cls.needs_attention)

@@ -36,11 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def quiet_prefect() -> None:
-    """Prefect's own INFO lines would fight the progress bar; its warnings still show."""
+    """Prefect's INFO lines would fight the progress bar, and a failed run's traceback would
+    bury the one-line reason the CLI prints; a busy machine needs longer to start the
+    ephemeral API than Prefect's default 20 s."""
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # the ephemeral API server starts in a subprocess: give it time on a busy machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    for name in ("FLOW_RUNS", "TASK_RUNS"):
+        os.environ.setdefault(f"PREFECT_LOGGING_LOGGERS_PREFECT_{name}_LEVEL", "CRITICAL")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,6 @@ other name is the built-in pooler of that name with defaults.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pipeline.config import EmbedJob, load_toml, parse
@@ -99,20 +98,8 @@ def build_job(args: argparse.Namespace) -> EmbedJob:
     return parse(EmbedJob, job, f"embedding job{' (' + args.config + ')' if args.config else ''}")
 
 
-def _quiet_prefect() -> None:
-    """Prefect's INFO lines would fight the progress bar, and a failed run's traceback would
-    bury the one-line reason the CLI prints; a busy machine needs longer to start the
-    ephemeral API than Prefect's default 20 s."""
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    for name in ("FLOW_RUNS", "TASK_RUNS"):
-        os.environ.setdefault(f"PREFECT_LOGGING_LOGGERS_PREFECT_{name}_LEVEL", "CRITICAL")
-
-
 def run_embed(args: argparse.Namespace) -> int:
     job = build_job(args)
-    _quiet_prefect()
     from flows.embed import embed_flow
 
     summary = embed_flow(job.model_dump(mode="json", exclude_unset=True), progress=True)
@@ -124,7 +111,6 @@ def run_backfill(args: argparse.Namespace) -> int:
     job = build_job(args)
     if args.model is None and not args.config:
         job = _inherit_encoder(job)
-    _quiet_prefect()
     from flows.embed import backfill_flow
 
     summary = backfill_flow(job.model_dump(mode="json", exclude_unset=True), progress=True)
@@ -146,7 +132,6 @@ def _inherit_encoder(job: EmbedJob) -> EmbedJob:
 
 def run_schedule(args: argparse.Namespace) -> int:
     job = build_job(args)
-    _quiet_prefect()
     from flows.schedule import nightly_deployment, serve
 
     deployment = nightly_deployment(job, args.cron, args.name)
