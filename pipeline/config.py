@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import ConfigError
+from pipeline.names import SET_NAME
 
 LayerCombine = Literal["mean", "max", "concat", "weighted"]
 WindowAgg = Literal["mean", "max", "weighted", "first"]
@@ -34,7 +35,7 @@ class PoolerSpec(_Strict):
     to ``name``, so ``PoolerSpec(name="mean")`` is the built-in mean).
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)
+    name: str = Field(pattern=SET_NAME.pattern)
     strategy: str | None = None
     layers: tuple[int, ...] = (-1,)
     layer_combine: LayerCombine = "mean"
