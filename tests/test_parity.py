@@ -14,6 +14,7 @@ from pipeline.data import TextBatch
 from pipeline.embedder import Embedder
 from pipeline.hardware import cpu_profile
 
+
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
     """300 real PyPI summaries plus a few long and odd texts."""

@@ -18,8 +18,8 @@ from flows.cli import main
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.encoder import Encoder
-from pipeline.models.loader import read_model_files
 from pipeline.errors import ConfigError, CorpusError, StorageError
+from pipeline.models.loader import read_model_files
 from pipeline.poolers.heads import load_head
 from pipeline.training import TrainConfig, TrainResult, train
 from pipeline.training.config import parse_size
