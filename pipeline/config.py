@@ -110,8 +110,10 @@ class EmbedJob(_Strict):
     out: str
     encoder: EncoderConfig = EncoderConfig()
     # left out: one set, the model's own (``model``) for a sentence-transformers folder,
-    # ``mean`` for a plain Hugging Face encoder (pipeline.models.folder.default_set_name)
-    poolers: tuple[PoolerSpec, ...]
+    # ``mean`` for a plain Hugging Face encoder (pipeline.models.folder.default_set_name);
+    # chosen for the final model and left unset, so a dump with exclude_unset chooses again
+    # once installation settings fill in the model
+    poolers: tuple[PoolerSpec, ...] = ()
     id_column: str = "id"
     text_column: str = "text"
     rows_per_shard: int = Field(default=20_000, gt=0)
@@ -121,16 +123,14 @@ class EmbedJob(_Strict):
     quarantine: bool = False
     dedupe: bool = False
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_set(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("poolers") is None:
+    @model_validator(mode="after")
+    def _default_set(self) -> EmbedJob:
+        if "poolers" not in self.model_fields_set:
             from pipeline.models.folder import default_set_name
 
-            encoder = data.get("encoder") or {}
-            model = encoder.get("model") if isinstance(encoder, dict) else encoder.model
-            data = {**data, "poolers": [{"name": default_set_name(model)}]}
-        return data
+            default = PoolerSpec(name=default_set_name(self.encoder.model))
+            object.__setattr__(self, "poolers", (default,))
+        return self
 
     @model_validator(mode="after")
     def _unique_sets(self) -> EmbedJob:

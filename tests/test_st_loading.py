@@ -221,3 +221,21 @@ def test_training_encodes_queries_and_texts_with_their_prompts(headed: Path) -> 
     assert ids[0] == enc.tokenize(["same words"], enc.query_prompt)[0]
     assert ids[1] == enc.tokenize(["same words"], enc.document_prompt)[0]
     assert ids[0][:2] != ids[1][:2]
+
+
+def test_the_default_set_follows_the_model_installation_settings_choose(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI leaves the set to the job: once EMBEDPIPE_MODEL fills in a plain folder, the
+    default set is ``mean``, not the packaged MiniLM's ``model``."""
+    from flows.cli import build_parser
+    from flows.cli.embed import build_job
+    from pipeline.config import parse
+    from pipeline.settings import load_settings
+
+    job = build_job(build_parser().parse_args(["embed", "c", "o"]))
+    dumped = job.model_dump(mode="json", exclude_unset=True)
+    assert "poolers" not in dumped and [p.name for p in job.poolers] == ["model"]
+    monkeypatch.setenv("EMBEDPIPE_MODEL", str(tiny_model_dir))
+    final = parse(EmbedJob, load_settings().apply_to_job(dumped), "job")
+    assert [p.name for p in final.poolers] == ["mean"]
