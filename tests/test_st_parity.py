@@ -17,6 +17,7 @@ from _st_models import VARIANTS, Variant, real_texts, save_variant
 from conftest import build_tiny_bert
 
 from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.data import TextBatch
 from pipeline.embedder import Embedder
 
 MIN_COSINE = 0.9999
@@ -119,9 +120,9 @@ def test_seed_poolers_read_token_states_and_model_head_applies_the_modules(
     ours = Embedder(EncoderConfig(model=str(folder), dtype="fp32", device="cpu"), specs)
     assert ours.dims() == {"model": 12, "cls_head": 12, "cls": 32}
     sample = texts[:50] + texts[-5:]
-    vectors = ours.embed(__import__("pipeline.data").data.TextBatch(
-        list(range(len(sample))), sample)).vectors
+    vectors = ours.embed(TextBatch(list(range(len(sample))), sample)).vectors
     expected = SentenceTransformer(str(folder), device="cpu").encode(sample)
     assert_same(vectors["model"], expected, "model")
-    assert_same(vectors["cls_head"], expected, "cls + model_head")
+    worst = assert_same(vectors["cls_head"], expected, "cls + model_head")
+    print(f"\ncls + model_head (Dense 32->12 Tanh, Normalize): min cosine {worst:.7f}")
     assert cosines(vectors["cls"][:, :12], expected).min() < 0.99  # not the model's head

@@ -40,6 +40,16 @@ def is_sentence_transformers(folder: Path) -> bool:
 
 
 def default_set_name(model: str | None) -> str:
-    """The set made without ``--pooler``: ``model`` for a sentence-transformers folder, else
-    ``mean`` (a plain Hugging Face encoder has no pipeline of its own)."""
-    return "model" if is_sentence_transformers(resolve_model_dir(model)) else "mean"
+    """The set made without ``--pooler``: ``model`` for a sentence-transformers folder,
+    ``mean`` for a plain Hugging Face encoder (it has no pipeline of its own).
+
+    A job may be made where the model is not (a deployment made on a laptop for GPU
+    workers): then ``model``, which is defined for any folder (for a plain one it is what
+    sentence-transformers does with it: mean pooling). A model that is nowhere still fails,
+    in one line, where it is loaded.
+    """
+    try:
+        folder = resolve_model_dir(model)
+    except ModelError:
+        return "model"
+    return "model" if is_sentence_transformers(folder) else "mean"
