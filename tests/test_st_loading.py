@@ -244,3 +244,20 @@ def test_the_default_set_follows_the_model_installation_settings_choose(
     monkeypatch.setenv("EMBEDPIPE_MODEL", str(tiny_model_dir))
     final = parse(EmbedJob, load_settings().apply_to_job(dumped), "job")
     assert [p.name for p in final.poolers] == ["mean"]
+
+
+def test_search_encodes_queries_with_the_query_prompt(headed: Path, tmp_path: Path) -> None:
+    from _search_sets import embedded_set
+    from sentence_transformers import SentenceTransformer
+
+    from pipeline.index import IndexRequest, index_set
+    from pipeline.search import Searcher
+
+    out = embedded_set(tmp_path, headed, name="model", strategy="model")
+    index_set(IndexRequest(out=str(out), set_name="model"), say=lambda _: None)
+    searcher = Searcher(str(out), "model")
+    queries = ["how to train a neural network", "lemon cake"]
+    st = SentenceTransformer(str(headed), device="cpu")
+    got = searcher.encode(queries)
+    np.testing.assert_allclose(got, st.encode_query(queries), atol=1e-5)
+    assert np.abs(got - st.encode(queries)).max() > 1e-4  # not the document prompt
