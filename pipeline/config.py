@@ -44,6 +44,7 @@ class PoolerSpec(_Strict):
     truncate_dim: int | None = Field(default=None, gt=0)
     window_agg: WindowAgg | None = None
     head: str | None = None
+    model_head: bool = False  # apply the model's own Dense / Normalize modules after pooling
 
     @model_validator(mode="after")
     def _check(self) -> PoolerSpec:
@@ -95,6 +96,11 @@ class EncoderConfig(_Strict):
     token_budget: int = Field(default=16384, gt=0)
     max_batch_rows: int = Field(default=512, gt=0)
     trust_remote_code: bool = False
+    # prompts of a sentence-transformers model (config_sentence_transformers.json), by name:
+    # None = the model's default_prompt_name for documents and its "query" prompt for
+    # queries; "" = no prompt
+    prompt_name: str | None = None
+    query_prompt_name: str | None = None
 
 
 class EmbedJob(_Strict):
@@ -103,7 +109,11 @@ class EmbedJob(_Strict):
     corpus: str
     out: str
     encoder: EncoderConfig = EncoderConfig()
-    poolers: tuple[PoolerSpec, ...] = (PoolerSpec(name="mean"),)
+    # left out: one set, the model's own (``model``) for a sentence-transformers folder,
+    # ``mean`` for a plain Hugging Face encoder (pipeline.models.folder.default_set_name);
+    # chosen for the final model and left unset, so a dump with exclude_unset chooses again
+    # once installation settings fill in the model
+    poolers: tuple[PoolerSpec, ...] = ()
     id_column: str = "id"
     text_column: str = "text"
     rows_per_shard: int = Field(default=20_000, gt=0)
@@ -112,6 +122,15 @@ class EmbedJob(_Strict):
     dask_address: str | None = None
     quarantine: bool = False
     dedupe: bool = False
+
+    @model_validator(mode="after")
+    def _default_set(self) -> EmbedJob:
+        if "poolers" not in self.model_fields_set:
+            from pipeline.models.folder import default_set_name
+
+            default = PoolerSpec(name=default_set_name(self.encoder.model))
+            object.__setattr__(self, "poolers", (default,))
+        return self
 
     @model_validator(mode="after")
     def _unique_sets(self) -> EmbedJob:

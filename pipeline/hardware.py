@@ -53,9 +53,13 @@ def _cpu_key() -> str:
     return hashlib.sha256(f"{flags}|{torch.__version__}".encode()).hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """Where measured and computed facts about this machine and its models are cached."""
+    return Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
+
+
 def _cache_file() -> Path:
-    root = Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
-    return root / f"cpu-probe-{_cpu_key()}.json"
+    return cache_root() / f"cpu-probe-{_cpu_key()}.json"
 
 
 def _run_probe(env: dict[str, str]) -> dict | None:

@@ -1,16 +1,17 @@
-"""Choosing the device and the dtype: the fastest that keeps cosine >= 0.9999 to fp32."""
+"""Choosing the device and the dtype: the fastest that keeps cosine >= 0.9999 to fp32.
+
+This module knows nothing of encoders: ``choose_dtype`` is handed a function that measures
+how close a candidate dtype's vectors stay to fp32 (the encoder runs it on its own model).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from pipeline.errors import ConfigError
 from pipeline.hardware import cpu_bf16_is_faster, cpu_profile
-
-if TYPE_CHECKING:
-    from pipeline.encoder import Encoder
 
 MIN_COSINE = 0.9999
 CALIBRATION_TEXTS = [
@@ -31,9 +32,12 @@ def choose_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def choose_dtype(dtype: str, encoder: Encoder) -> str:
-    """Resolve ``auto`` by hardware and a calibration check; validate explicit choices."""
-    on_cuda = encoder.device.type == "cuda"
+def choose_dtype(dtype: str, device: torch.device, cosine_to_fp32: Callable[[str], float]) -> str:
+    """Resolve ``auto`` by hardware and ``cosine_to_fp32(candidate)``; validate explicit choices.
+
+    ``cosine_to_fp32`` is only called for ``auto`` on hardware where a half dtype is faster.
+    """
+    on_cuda = device.type == "cuda"
     if dtype == "fp16" and not on_cuda:
         raise ConfigError("dtype fp16 needs a CUDA device; use bf16 or fp32 on a CPU")
     if dtype == "bf16" and not on_cuda and not cpu_profile()["bf16_ok"]:
@@ -46,18 +50,4 @@ def choose_dtype(dtype: str, encoder: Encoder) -> str:
         candidate = "bf16"
     else:
         return "fp32"
-    return candidate if min_cosine_to_fp32(encoder, candidate) >= MIN_COSINE else "fp32"
-
-
-def min_cosine_to_fp32(encoder: Encoder, dtype: str, texts: list[str] | None = None) -> float:
-    """Lowest cosine between mean-pooled vectors in ``dtype`` and in fp32 over ``texts``."""
-    texts = texts or CALIBRATION_TEXTS
-    pieces = [ids[: encoder.content_length] for ids in encoder.tokenize(texts)]
-    ids, mask = encoder.pad(pieces)
-    vectors = []
-    for candidate in ("fp32", dtype):
-        encoder.dtype = candidate
-        hidden = encoder.forward(ids, mask, {encoder.num_layers}, False).layer(-1)
-        weights = mask.to(hidden.device).unsqueeze(-1).float()
-        vectors.append((hidden * weights).sum(1) / weights.sum(1))
-    return float(torch.nn.functional.cosine_similarity(*vectors, dim=-1).min())
+    return candidate if cosine_to_fp32(candidate) >= MIN_COSINE else "fp32"

@@ -95,7 +95,7 @@ class Searcher:
 
     def encode(self, queries: list[str]) -> np.ndarray:
         with self._lock:  # one forward pass at a time per model
-            return self.embedder.encode(queries, self.set.pooler.get("name"))
+            return self.embedder.encode_queries(queries, self.set.pooler.get("name"))
 
     def search(self, queries: list[str], k: int = 10,
                snippets: bool = True) -> list[list[Hit]]:

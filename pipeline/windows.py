@@ -28,8 +28,8 @@ class Pieces:
         return self.end - self.start
 
 
-def truncate(lengths: np.ndarray, content: int) -> Pieces:
-    """One piece per text: its first ``content`` tokens."""
+def truncate(lengths: np.ndarray, content: int | np.ndarray) -> Pieces:
+    """One piece per text: its first ``content`` tokens (one number, or one per text)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     rows = np.arange(len(lengths), dtype=np.int64)
     return Pieces(rows, np.zeros_like(rows), np.minimum(lengths, content))
@@ -44,16 +44,19 @@ def window_starts(length: int, content: int, stride: int) -> list[int]:
     return starts
 
 
-def windows(lengths: np.ndarray, content: int, stride: int) -> Pieces:
-    """Overlapping windows of ``content`` tokens every ``stride`` tokens for each text."""
-    if not 0 < stride <= content:
-        raise ValueError(f"stride must be in 1..{content}, got {stride}")
+def windows(lengths: np.ndarray, content: int | np.ndarray, stride: int) -> Pieces:
+    """Overlapping windows of ``content`` tokens (one number, or one per text: what a prompt
+    leaves of the window) every ``stride`` tokens for each text."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    contents = np.broadcast_to(np.asarray(content, dtype=np.int64), lengths.shape)
+    if stride <= 0 or (contents < stride).any():
+        raise ValueError(f"stride must be in 1..{int(contents.min())}, got {stride}")
     rows, starts = [], []
-    for row, length in enumerate(np.asarray(lengths, dtype=np.int64)):
-        for start in window_starts(int(length), content, stride):
+    for row, (length, size) in enumerate(zip(lengths.tolist(), contents.tolist(), strict=True)):
+        for start in window_starts(length, size, stride):
             rows.append(row)
             starts.append(start)
     row_arr = np.asarray(rows, dtype=np.int64)
     start_arr = np.asarray(starts, dtype=np.int64)
-    end_arr = np.minimum(start_arr + content, np.asarray(lengths, dtype=np.int64)[row_arr])
+    end_arr = np.minimum(start_arr + contents[row_arr], lengths[row_arr])
     return Pieces(row_arr, start_arr, end_arr)

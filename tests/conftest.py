@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import pipeline  # noqa: F401  (caps oneDNN before any torch kernel runs; see pipeline.hardware)
+from pipeline.hardware import make_cpu_bf16_safe
+
+make_cpu_bf16_safe()  # before any torch kernel runs in the tests (see pipeline.hardware)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

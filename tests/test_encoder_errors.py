@@ -9,8 +9,8 @@ import torch
 
 from pipeline.config import EncoderConfig, PoolerSpec, WindowConfig, parse
 from pipeline.embedder import Embedder
-from pipeline.encoder import model_hash
 from pipeline.errors import ConfigError, ModelError
+from pipeline.models.loader import read_model_files
 from pipeline.poolers.heads import HeadConfig, PoolingHead, save_head
 
 
@@ -84,6 +84,10 @@ def test_fp16_on_cpu_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
         Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp16", device="cpu"),
                  [PoolerSpec(name="mean")])
+
+
+def model_hash(folder: Path) -> str:
+    return read_model_files(str(folder)).model_hash()
 
 
 def _head(tmp_path: Path, folder: Path, **kw) -> str:

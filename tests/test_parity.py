@@ -5,36 +5,46 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
+from _st_models import real_texts
 
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.data import TextBatch
 from pipeline.embedder import Embedder
 from pipeline.hardware import cpu_profile
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-PYPI = SHARED / "pypi_summaries_200k.parquet"
-
 
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
     """300 real PyPI summaries plus a few long and odd texts."""
-    if PYPI.exists():
-        rows = pq.read_table(PYPI, columns=["text"]).column("text").to_pylist()
-        real = [t for t in rows[:400] if t and t.strip()][:300]
-    else:  # the tests must also run where shared/ is absent
-        import pydoc
-
-        real = [pydoc.getdoc(obj)[:400] for obj in (int, str, dict, list, Path) * 60]
-    return real + ["word " * 400, "a", "Ünïcödé ✓ 🚀", "line\nbreaks\tand\ttabs"]
+    return real_texts(300)
 
 
 @pytest.fixture(scope="module")
 def ours(minilm_dir: Path) -> Embedder:
-    specs = [PoolerSpec(name=n) for n in ("mean", "cls", "max")]
+    specs = [PoolerSpec(name=n) for n in ("model", "mean", "cls", "max")]
     return Embedder(EncoderConfig(dtype="fp32", device="cpu"), specs)
+
+
+def test_the_default_model_set_is_sentence_transformers_encode(
+    texts: list[str], ours: Embedder, minilm_dir
+) -> None:
+    """The packaged MiniLM is a sentence-transformers folder (its modules.json names a
+    2_Normalize it ships no folder for): its ``model`` set is what ``encode`` gives."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(minilm_dir), device="cpu")
+    got = ours.embed(TextBatch(list(range(len(texts))), texts)).vectors["model"]
+    expected = st.encode(texts, batch_size=32)
+    assert got.shape == expected.shape == (len(texts), 384)
+    cosine = (got * expected).sum(1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() >= 0.9999, cosine.min()
+    print(f"\nall-MiniLM-L6-v2 model set: min cosine {cosine.min():.7f}")
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(expected, axis=1),
+                               rtol=1e-5)
+    queries = ours.encode_queries(texts[:50], "model")
+    assert np.abs(queries - st.encode_query(texts[:50])).max() < 1e-5
 
 
 def test_mean_matches_sentence_transformers(texts: list[str], ours: Embedder, minilm_dir) -> None:

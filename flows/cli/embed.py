@@ -48,7 +48,8 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("out", help="output folder (local or s3://)")
     p.add_argument("--config", help="TOML file with [encoder], [[poolers]] and job options")
     p.add_argument("--pooler", action="append", required=pooler_required, metavar="NAME",
-                   help="pooler set to make (repeatable; default mean)")
+                   help="pooler set to make (repeatable; default: model for a "
+                   "sentence-transformers folder, else mean)")
     p.add_argument("--model", help="model folder or Hugging Face name (default: packaged MiniLM)")
     p.add_argument("--id-column", help="id column (default id)")
     p.add_argument("--text-column", help="text column (default text)")
@@ -93,8 +94,9 @@ def build_job(args: argparse.Namespace) -> EmbedJob:
     for key in ("quarantine", "dedupe"):
         if getattr(args, key):
             job[key] = True
-    names = args.pooler or list(defined) or ["mean"]
-    job["poolers"] = [defined.get(n, {"name": n}) for n in names]
+    names = args.pooler or list(defined)
+    if names:  # none: EmbedJob picks the model's default set
+        job["poolers"] = [defined.get(n, {"name": n}) for n in names]
     return parse(EmbedJob, job, f"embedding job{' (' + args.config + ')' if args.config else ''}")
 
 

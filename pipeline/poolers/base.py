@@ -7,8 +7,11 @@
 
 ``hidden`` is already the configured combination of layers ([batch, tokens, width]);
 ``mask`` is True on real tokens. Options shared by every pooler (layers, layer_combine,
-normalize, truncate_dim, window_agg) are applied around ``pool`` by the embedder, so a
-pooler only says how tokens become one vector.
+normalize, truncate_dim, window_agg, model_head) are applied around ``pool`` by this class
+and the embedder, so a pooler only says how tokens become one vector.
+
+Poolers read token states: for a sentence-transformers model, before its Dense and
+Normalize modules. ``model_head = true`` applies those modules after ``pool``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from pipeline.config import PoolerSpec
 from pipeline.encoder import EncoderInfo, TokenStates, resolve_layer
 from pipeline.errors import ConfigError
+from pipeline.models.head import ModelHead, ModelParts
 
 REGISTRY: dict[str, type[Pooler]] = {}
 
@@ -44,11 +48,16 @@ class Pooler(ABC):
     strategy: ClassVar[str] = ""
     needs_attention: ClassVar[bool] = False
 
-    def __init__(self, spec: PoolerSpec, info: EncoderInfo) -> None:
+    def __init__(self, spec: PoolerSpec, info: EncoderInfo,
+                 parts: ModelParts | None = None) -> None:
         self.spec = spec
         self.info = info
+        self.parts = parts
         self.layers = tuple(resolve_layer(i, info.num_layers) for i in self.layer_indices())
+        self.head = self.model_head()
         self.width = self.combined_width()
+        if self.head is not None:
+            self.width = self.head.out_width(self.width, f"pooler {spec.name!r}")
         if spec.truncate_dim is not None and spec.truncate_dim > self.width:
             raise ConfigError(
                 f"pooler {spec.name!r}: truncate_dim {spec.truncate_dim} is above the "
@@ -63,6 +72,23 @@ class Pooler(ABC):
         factor = len(self.layers) if self.spec.layer_combine == "concat" else 1
         return self.info.hidden_size * factor
 
+    def model_head(self) -> ModelHead | None:
+        """The model's Dense / Normalize modules this pooler applies after ``pool``."""
+        if not self.spec.model_head:
+            return None
+        if self.parts is None or self.parts.head.empty:
+            source = self.parts.source if self.parts else "this model"
+            raise ConfigError(
+                f"pooler {self.spec.name!r}: model_head = true, but {source} has no Dense or "
+                "Normalize module after its Pooling"
+            )
+        return self.parts.head
+
+    @property
+    def normalizes(self) -> bool:
+        """Whether the set's vectors end L2-normalised (after windows and truncate_dim)."""
+        return self.spec.normalize
+
     def identity(self) -> dict:
         """What else, beyond the spec, decides this pooler's vectors (for the fingerprint)."""
         return {}
@@ -75,7 +101,10 @@ class Pooler(ABC):
     def __call__(self, states: TokenStates) -> torch.Tensor:
         """[batch, dim] float32 vectors, before window aggregation and normalisation."""
         hidden = combine_layers([states.hidden[i] for i in self.layers], self.spec)
-        return self.pool(hidden, states.mask, states)
+        pooled = self.pool(hidden, states.mask, states)
+        if self.head is not None:
+            pooled = self.head(pooled, normalize=self.spec.normalize)
+        return pooled
 
     @abstractmethod
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor, states: TokenStates) -> torch.Tensor:
@@ -97,14 +126,19 @@ def combine_layers(hidden: list[torch.Tensor], spec: PoolerSpec) -> torch.Tensor
     return stacked.mean(dim=0)
 
 
-def build_pooler(spec: PoolerSpec, info: EncoderInfo) -> Pooler:
-    """The pooler for ``spec``, validated against the encoder it will run on."""
-    from pipeline.poolers import builtin, learned  # noqa: F401  (fill the registry)
+def registered(strategy: str) -> type[Pooler] | None:
+    """The pooler class registered as ``strategy`` (the built-in ones loaded on first use)."""
+    from pipeline.poolers import builtin, learned, model  # noqa: F401  (fill the registry)
 
-    cls = REGISTRY.get(spec.strategy or spec.name)
+    return REGISTRY.get(strategy)
+
+
+def build_pooler(spec: PoolerSpec, info: EncoderInfo, parts: ModelParts | None = None) -> Pooler:
+    """The pooler for ``spec``, validated against the encoder it will run on."""
+    cls = registered(spec.strategy or spec.name)
     if cls is None:
         raise ConfigError(
             f"unknown pooler {spec.strategy!r} for set {spec.name!r}; "
             f"known: {', '.join(sorted(REGISTRY))}"
         )
-    return cls(spec, info)
+    return cls(spec, info, parts)

@@ -7,6 +7,7 @@ import torch
 from pipeline.config import PoolerSpec
 from pipeline.encoder import EncoderInfo, TokenStates
 from pipeline.errors import ConfigError
+from pipeline.models.head import ModelParts
 from pipeline.poolers.base import Pooler, register
 from pipeline.poolers.heads import load_head
 
@@ -15,9 +16,13 @@ from pipeline.poolers.heads import load_head
 class Learned(Pooler):
     """Reads the layers its head was trained on; refuses heads made for another encoder."""
 
-    def __init__(self, spec: PoolerSpec, info: EncoderInfo) -> None:
-        self.head = load_head(spec.head)
-        cfg = self.head.cfg
+    def __init__(self, spec: PoolerSpec, info: EncoderInfo,
+                 parts: ModelParts | None = None) -> None:
+        if spec.model_head:
+            raise ConfigError(f"pooler {spec.name!r}: a learned head cannot take model_head = true "
+                              "(train it with an adapter instead)")
+        self.pooling_head = load_head(spec.head)
+        cfg = self.pooling_head.cfg
         if cfg.hidden_size != info.hidden_size or cfg.num_layers != info.num_layers:
             raise ConfigError(
                 f"pooling head {spec.head} expects an encoder with hidden size "
@@ -29,20 +34,21 @@ class Learned(Pooler):
                 f"pooling head {spec.head} was trained for encoder {cfg.model_hash}, "
                 f"not for {info.model} ({info.model_hash})"
             )
-        super().__init__(spec, info)
+        super().__init__(spec, info, parts)
 
     def identity(self) -> dict:
-        return {"head_sha256": self.head.weights_sha256}
+        return {"head_sha256": self.pooling_head.weights_sha256}
 
     def layer_indices(self) -> tuple[int, ...]:
-        return self.head.cfg.layers
+        return self.pooling_head.cfg.layers
 
     def combined_width(self) -> int:
-        return self.head.cfg.dim
+        return self.pooling_head.cfg.dim
 
     def __call__(self, states: TokenStates) -> torch.Tensor:
         with torch.inference_mode():
-            return self.head([states.hidden[i] for i in self.layers], states.mask).float()
+            hidden = [states.hidden[i] for i in self.layers]
+            return self.pooling_head(hidden, states.mask).float()
 
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor, states: TokenStates) -> torch.Tensor:
         raise NotImplementedError("the learned pooler applies its head in __call__")

@@ -16,13 +16,15 @@ MIN_PAIRS = 20
 
 @dataclass(frozen=True)
 class Pairs:
-    """Pairs as indices into ``strings`` (every distinct query or text once)."""
+    """Pairs as indices into ``strings`` (every distinct query, and every distinct text, once:
+    a string used as both is kept twice, since queries and texts get different prompts)."""
 
     strings: list[str]
     query: np.ndarray  # [pairs] index into strings
     text: np.ndarray  # [pairs] index into strings
     group: list[str]
     skipped: int  # rows without a usable query or text
+    is_query: np.ndarray  # [strings] bool: the string is a query (else a text)
 
     def __len__(self) -> int:
         return len(self.query)
@@ -55,21 +57,22 @@ def _index(table: pa.Table, qcol: str, tcol: str, gcol: str | None, url: str) ->
     queries = table.column(qcol).to_pylist()
     texts = table.column(tcol).to_pylist()
     groups = table.column(gcol).to_pylist() if gcol else texts
-    ids: dict[str, int] = {}
+    ids: dict[tuple[bool, str], int] = {}
     q_idx, t_idx, kept_groups = [], [], []
     for query, text, group in zip(queries, texts, groups, strict=True):
         if not _usable(query) or not _usable(text):
             continue
-        q_idx.append(ids.setdefault(query, len(ids)))
-        t_idx.append(ids.setdefault(text, len(ids)))
+        q_idx.append(ids.setdefault((True, query), len(ids)))
+        t_idx.append(ids.setdefault((False, text), len(ids)))
         kept_groups.append("" if group is None else str(group))
     if len(q_idx) < MIN_PAIRS:
         raise CorpusError(
             f"{url} has {len(q_idx)} usable (query, text) pairs; training a pooling head "
             f"needs at least {MIN_PAIRS}"
         )
-    return Pairs(list(ids), np.asarray(q_idx, np.int64), np.asarray(t_idx, np.int64),
-                 kept_groups, len(queries) - len(q_idx))
+    return Pairs([s for _, s in ids], np.asarray(q_idx, np.int64), np.asarray(t_idx, np.int64),
+                 kept_groups, len(queries) - len(q_idx),
+                 np.fromiter((q for q, _ in ids), bool, len(ids)))
 
 
 def _usable(value: object) -> bool:

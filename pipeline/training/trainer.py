@@ -111,7 +111,7 @@ def _cache_states(encoder: Encoder, pairs: Pairs, train_rows: np.ndarray, val_ro
     """Fit the pairs into the memory budget, then encode each distinct string once."""
     dtype = cache_dtype(cfg)
     used = np.unique(np.concatenate([*pairs.subset(train_rows), *pairs.subset(val_rows)]))
-    tokens = encoder.tokenize([pairs.strings[i] for i in used])
+    tokens = encoder.tokenize_for([pairs.strings[i] for i in used], pairs.is_query[used])
     cost = np.zeros(len(pairs.strings), np.int64)
     cost[used] = row_bytes(row_lengths(encoder, tokens), len(layers), encoder.hidden_size,
                            cfg.token_level, torch.empty(0, dtype=dtype).element_size())

@@ -1,0 +1,81 @@
+"""The model hash: SHA-256 over every file that changes a vector, computed once per folder.
+
+Covered: the transformer's config and weights, the tokenizer files, the sentence-transformers
+configs (modules, Transformer options, prompts) and every module folder's config and weights
+(Pooling, Dense, Normalize). The result is cached under ``EMBEDPIPE_CACHE``, keyed by the
+folder and each file's path, size and mtime, so a start does not re-read the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from pipeline.config import stable_hash
+from pipeline.hardware import cache_root
+from pipeline.models.prompts import CONFIG as PROMPTS_CONFIG
+from pipeline.models.transformer import CONFIG_NAMES
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+ROOT_FILES = frozenset({
+    "config.json", "modules.json", PROMPTS_CONFIG, *CONFIG_NAMES,
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+    "tokenizer.model", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+})
+_HASH = re.compile(r"^[0-9a-f]{16}$")
+
+
+def hashed_files(folder: Path, module_dirs: Iterable[Path] = ()) -> list[Path]:
+    """The files the hash covers, in a fixed order."""
+    files = {p for p in folder.iterdir()
+             if p.is_file() and (p.name in ROOT_FILES or p.suffix in WEIGHT_SUFFIXES)}
+    for module in module_dirs:
+        if module.is_dir() and module != folder:
+            files |= {p for p in module.iterdir() if p.is_file()
+                      and (p.suffix == ".json" or p.suffix in WEIGHT_SUFFIXES)}
+    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def model_hash(folder: Path, module_dirs: Iterable[Path] = ()) -> str:
+    """16 hex digits over ``hashed_files``; read from the cache when no file changed."""
+    files = hashed_files(folder, module_dirs)
+    stats = [(f.relative_to(folder).as_posix(), f.stat().st_size, f.stat().st_mtime_ns)
+             for f in files]
+    cache = cache_root() / "model-hash" / f"{stable_hash([str(folder.resolve()), stats])}.json"
+    cached = _read_cached(cache)
+    if cached:
+        return cached
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.relative_to(folder).as_posix().encode())
+        with open(file, "rb") as fh:
+            for chunk in iter(lambda fh=fh: fh.read(1 << 22), b""):
+                digest.update(chunk)
+    value = digest.hexdigest()[:16]
+    _write_cached(cache, value)
+    return value
+
+
+def _read_cached(path: Path) -> str | None:
+    try:
+        value = json.loads(path.read_text()).get("model_hash")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and _HASH.match(value) else None
+
+
+def _write_cached(path: Path, value: str) -> None:
+    """Write then rename: a reader never sees half a file. A cache that cannot be written is
+    only a slower next start, never an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"model_hash": value}))
+        os.replace(tmp, path)
+    except OSError:
+        return

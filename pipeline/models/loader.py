@@ -1,0 +1,134 @@
+"""Loading a model: the one place a folder becomes a tokenizer, a transformer and a head.
+
+``read_model_files`` reads and checks every config (modules, Transformer options, Pooling,
+Dense, Normalize, prompts) without touching weights, so an unsupported model fails before
+any work. ``load_*`` then build what those files describe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import ModelError
+from pipeline.models.dense import load_dense, read_dense_config
+from pipeline.models.folder import is_sentence_transformers, resolve_model_dir
+from pipeline.models.hashing import model_hash
+from pipeline.models.modules import ModuleEntry, read_modules
+from pipeline.models.normalize import Normalize, check_normalize_config
+from pipeline.models.pooling import PoolingConfig, read_pooling_config
+from pipeline.models.prompts import Prompts, read_prompts
+from pipeline.models.transformer import TransformerConfig, read_transformer_config
+
+PLAIN_MAX_LENGTH = 512  # a plain HF folder: at most this many tokens unless told otherwise
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model folder's configs, read and checked; no weights loaded."""
+
+    folder: Path
+    transformer_dir: Path
+    transformer: TransformerConfig
+    pooling: PoolingConfig
+    head: tuple[ModuleEntry, ...]
+    prompts: Prompts
+    module_dirs: tuple[Path, ...] = ()  # every module's folder (empty: a plain HF folder)
+
+    @property
+    def sentence_transformers(self) -> bool:
+        return bool(self.module_dirs)
+
+    def model_hash(self) -> str:
+        return model_hash(self.folder, self.module_dirs)
+
+
+def read_model_files(model: str | None) -> ModelFiles:
+    folder = resolve_model_dir(model)
+    if not is_sentence_transformers(folder):
+        return ModelFiles(folder, folder, TransformerConfig(), PoolingConfig(None), (), Prompts())
+    entries = read_modules(folder)
+    transformer_dir = entries[0].path
+    if not (transformer_dir / "config.json").is_file():
+        raise ModelError(f"{transformer_dir} holds no transformer (no config.json)")
+    for entry in entries[2:]:
+        if entry.kind == "Dense":
+            read_dense_config(entry.path)
+        else:
+            check_normalize_config(entry.path)
+    return ModelFiles(folder, transformer_dir, read_transformer_config(transformer_dir),
+                      read_pooling_config(entries[1].path), entries[2:], read_prompts(folder),
+                      tuple(e.path for e in entries))
+
+
+def load_tokenizer(files: ModelFiles, trust_remote_code: bool):
+    """The fast tokenizer with the Transformer's tokenizer arguments and lower-casing."""
+    from transformers import AutoTokenizer
+
+    kwargs = dict(files.transformer.tokenizer_args)
+    if files.transformer.max_seq_length is not None:
+        kwargs.setdefault("model_max_length", files.transformer.max_seq_length)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(files.transformer_dir), use_fast=True, local_files_only=True,
+        trust_remote_code=trust_remote_code, **kwargs,
+    )
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelError(f"{files.transformer_dir} has no fast tokenizer (tokenizer.json)")
+    if files.transformer.do_lower_case:
+        _lower_case(tokenizer)
+    return tokenizer
+
+
+def _lower_case(tokenizer) -> None:
+    """Lower-case before the tokenizer's own normaliser, as sentence-transformers does."""
+    from tokenizers.normalizers import Lowercase
+    from tokenizers.normalizers import Sequence as NormalizerSequence
+
+    backend = tokenizer.backend_tokenizer
+    current = backend.normalizer
+    if current is not None and "Lowercase" in repr(current):
+        return
+    steps = [Lowercase()]
+    if isinstance(current, NormalizerSequence):
+        steps += list(current)
+    elif current is not None:
+        steps.append(current)
+    backend.normalizer = NormalizerSequence(steps)
+
+
+def load_transformer(files: ModelFiles, trust_remote_code: bool, need_attention: bool):
+    """The transformer in eval mode (eager attention only when a pooler reads attention)."""
+    from transformers import AutoConfig, AutoModel
+
+    from pipeline.hardware import make_cpu_bf16_safe
+
+    make_cpu_bf16_safe()  # before torch's first CPU kernel (see pipeline.hardware)
+    hub = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    config = AutoConfig.from_pretrained(str(files.transformer_dir), **files.transformer.config_args,
+                                        **hub)
+    model_args = {k: v for k, v in files.transformer.model_args.items()
+                  if k not in ("attn_implementation", "local_files_only")}
+    attn = "eager" if need_attention else "sdpa"
+    model = AutoModel.from_pretrained(str(files.transformer_dir), config=config,
+                                      attn_implementation=attn, **model_args, **hub)
+    return model.eval()
+
+
+def max_length(files: ModelFiles, tokenizer, positions: int) -> int:
+    """Tokens per row as sentence-transformers truncates: a saved max_seq_length as is,
+    otherwise the tokenizer's limit capped at the model's positions. A plain HF folder
+    keeps embedpipe's rule: the tokenizer's limit, at most 512."""
+    limit = int(tokenizer.model_max_length)
+    if not files.sentence_transformers:
+        return min(limit, PLAIN_MAX_LENGTH)
+    pinned = files.transformer.max_seq_length is not None or (
+        "model_max_length" in files.transformer.tokenizer_args)
+    return limit if pinned else min(limit, positions)
+
+
+def load_head(files: ModelFiles):
+    """The Dense and Normalize modules after Pooling, as one module (possibly empty)."""
+    from pipeline.models.head import ModelHead
+
+    steps = [load_dense(e.path) if e.kind == "Dense" else Normalize() for e in files.head]
+    return ModelHead(steps).eval()

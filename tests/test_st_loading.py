@@ -1,0 +1,263 @@
+"""Reading sentence-transformers folders: what is refused, old formats, the model hash and its
+cache, the default set, prompts inside windows."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _st_models import PROMPTS, Variant, real_texts, save_variant
+from conftest import build_tiny_bert
+
+from pipeline.config import EmbedJob, EncoderConfig, PoolerSpec, WindowConfig
+from pipeline.data import TextBatch
+from pipeline.embedder import Embedder
+from pipeline.errors import ConfigError, ModelError
+from pipeline.models.loader import read_model_files
+
+HEADED = Variant("headed", "cls", dense=(16, "Tanh"), normalize=True, prompts=PROMPTS,
+                 default_prompt="document", max_seq_length=64)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_bert(tmp_path_factory.mktemp("base") / "bert")
+
+
+@pytest.fixture(scope="module")
+def headed(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_variant(base, tmp_path_factory.mktemp("st") / "headed", HEADED)
+
+
+@pytest.fixture
+def copy(headed: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(headed, tmp_path / "copy"))
+
+
+def embedder(folder: Path, *specs: PoolerSpec, **encoder) -> Embedder:
+    cfg = EncoderConfig(model=str(folder), dtype="fp32", device="cpu", **encoder)
+    return Embedder(cfg, list(specs) or [PoolerSpec(name="model")])
+
+
+def edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("kind", ["sentence_transformers.models.LayerNorm", "my_code.Pooler"])
+def test_an_unsupported_module_fails_in_one_line_before_loading_weights(
+    copy: Path, kind: str
+) -> None:
+    edit_json(copy / "modules.json", lambda m: m.insert(2, {"idx": 9, "name": "9", "path": "x",
+                                                            "type": kind}))
+    (copy / "model.safetensors").unlink()  # nothing may be loaded before the check
+    with pytest.raises(ModelError) as err:
+        embedder(copy)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"module type {kind!r} is not supported" in message
+    assert "supported: Transformer, Pooling, Dense, Normalize" in message
+
+
+def test_an_activation_from_elsewhere_than_torch_is_refused(copy: Path) -> None:
+    edit_json(copy / "2_Dense" / "config.json",
+              lambda c: c.update(activation_function="evil.module.Act"))
+    with pytest.raises(ModelError, match=r"activation 'evil.module.Act' is not supported"):
+        embedder(copy)
+
+
+def test_a_module_path_outside_the_folder_is_refused(copy: Path) -> None:
+    edit_json(copy / "modules.json", lambda m: m[2].update(path="../../etc"))
+    with pytest.raises(ModelError, match=r"module path '../../etc' is not a folder inside"):
+        embedder(copy)
+
+
+def test_normalize_without_its_folder_still_normalises(copy: Path) -> None:
+    shutil.rmtree(copy / "3_Normalize")  # as the packaged MiniLM ships it
+    vectors = embedder(copy).encode(["no folder for Normalize", "x"])
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-6)
+
+
+def test_an_old_format_folder_matches_sentence_transformers(base: Path, tmp_path: Path) -> None:
+    """Old saves: ``sentence_transformers.models.*`` types, max_seq_length and do_lower_case in
+    sentence_bert_config.json, ``pooling_mode_*`` flags (two modes: concatenated in
+    sentence-transformers' order), a Normalize without folder; a cased tokenizer."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = Path(shutil.copytree(base, tmp_path / "old"))
+    edit_json(folder / "tokenizer.json", lambda t: t["normalizer"].update(lowercase=False))
+    (folder / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 40, "do_lower_case": True}))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_sqrt_len_tokens": True, "pooling_mode_max_tokens": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]))
+    texts = real_texts(100)
+    ours = embedder(folder)
+    assert ours.encoder.max_length == 40 and ours.dims() == {"model": 64}
+    got = ours.encode(texts)
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts)
+    assert got.shape == expected.shape
+    cosine = (got * expected).sum(1)
+    assert cosine.min() >= 0.9999
+    print(f"\nold format (max + mean_sqrt_len, lower-cased, length 40): min cosine "
+          f"{cosine.min():.7f}")
+    upper = ours.encode(["Hello World", "HELLO WORLD"])
+    np.testing.assert_allclose(upper[0], upper[1], atol=1e-6)  # do_lower_case honoured
+
+
+def test_the_model_hash_covers_what_changes_vectors(
+    copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
+    first = read_model_files(str(copy)).model_hash()
+    seen = {first}
+    changes = [
+        lambda: edit_json(copy / "config_sentence_transformers.json",
+                          lambda c: c["prompts"].update(document="doc: ")),
+        lambda: edit_json(copy / "1_Pooling" / "config.json",
+                          lambda c: c.update(pooling_mode="mean")),
+        lambda: edit_json(copy / "tokenizer_config.json", lambda c: c.update(model_max_length=32)),
+        lambda: (copy / "2_Dense" / "model.safetensors").write_bytes(
+            (copy / "2_Dense" / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\1"),
+    ]
+    for change in changes:
+        change()
+        seen.add(read_model_files(str(copy)).model_hash())
+    assert len(seen) == len(changes) + 1
+    (copy / "README.md").write_text("a model card edit changes no vector")
+    assert read_model_files(str(copy)).model_hash() in seen
+
+
+def test_the_model_hash_is_cached_by_size_and_mtime(
+    copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
+    weights = copy / "model.safetensors"
+    first = read_model_files(str(copy)).model_hash()
+    stat = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # same size; the mtime is put back: the cached hash is what comes back
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert read_model_files(str(copy)).model_hash() == first
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert read_model_files(str(copy)).model_hash() != first
+    assert len(list((tmp_path / "cache" / "model-hash").glob("*.json"))) == 2
+
+
+def test_the_fingerprint_follows_prompts_and_max_length(headed: Path) -> None:
+    default = embedder(headed)
+    assert default.fingerprint("model") != embedder(headed, prompt_name="query").fingerprint(
+        "model")
+    assert default.fingerprint("model") != embedder(headed, max_length=32).fingerprint("model")
+    assert default.fingerprint("model") == embedder(headed).fingerprint("model")
+
+
+def test_the_default_set_is_the_models_own(headed: Path, tiny_model_dir: Path) -> None:
+    from flows.cli import build_parser
+    from flows.cli.embed import build_job
+
+    assert [p.name for p in EmbedJob(corpus="c", out="o").poolers] == ["model"]  # MiniLM
+    plain = EmbedJob(corpus="c", out="o", encoder={"model": str(tiny_model_dir)})
+    assert [p.name for p in plain.poolers] == ["mean"]
+    elsewhere = EmbedJob(corpus="c", out="o", encoder={"model": "/models/on-the-workers"})
+    assert [p.name for p in elsewhere.poolers] == ["model"]  # defined for any folder
+    args = build_parser().parse_args(["embed", "c", "o", "--model", str(headed)])
+    assert [p.name for p in build_job(args).poolers] == ["model"]
+    args = build_parser().parse_args(["embed", "c", "o", "--model", str(headed),
+                                      "--pooler", "mean"])
+    assert [p.name for p in build_job(args).poolers] == ["mean"]
+
+
+def test_prompt_names_are_checked(headed: Path) -> None:
+    with pytest.raises(ConfigError, match=r"prompt_name 'passage' is not a prompt of this model "
+                                          r"\(prompts: document, query, search\)"):
+        embedder(headed, prompt_name="passage")
+
+
+def test_model_head_needs_a_model_with_modules(tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model_head = true, but .* has no Dense or Normalize"):
+        embedder(tiny_model_dir, PoolerSpec(name="c", strategy="cls", model_head=True))
+
+
+def test_windows_repeat_the_prompt_inside_their_token_budget(
+    headed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    window = WindowConfig(size=24, stride=10)
+    ours = embedder(headed, window=window)
+    enc = ours.encoder
+    prompt = list(enc.document_prompt.ids)
+    rows: list[list[int]] = []
+    pad = enc.pad
+    monkeypatch.setattr(enc, "pad", lambda pieces: (rows.extend(pieces), pad(pieces))[1])
+    long_text = " ".join(f"token{i}" for i in range(60))
+    ours.embed(TextBatch([0], [long_text]))
+    body = enc.tokenize([long_text])[0]
+    assert len(rows) > 2
+    covered = set()
+    for row in rows:
+        assert row[: len(prompt)] == prompt
+        assert len(row) + len(enc.prefix) + len(enc.suffix) <= window.size
+        text = row[len(prompt):]
+        start = next(i for i in range(len(body)) if body[i : i + len(text)] == text)
+        covered |= set(range(start, start + len(text)))
+    assert covered == set(range(len(body)))
+    short = ["a short text fits in one window", "x"]
+    np.testing.assert_allclose(ours.encode(short), embedder(headed).encode(short), atol=1e-6)
+
+
+def test_training_encodes_queries_and_texts_with_their_prompts(headed: Path) -> None:
+    enc = embedder(headed).encoder
+    texts = ["same words", "same words"]
+    ids = enc.tokenize_for(texts, np.array([True, False]))
+    assert ids[0] == enc.tokenize(["same words"], enc.query_prompt)[0]
+    assert ids[1] == enc.tokenize(["same words"], enc.document_prompt)[0]
+    assert ids[0][:2] != ids[1][:2]
+
+
+def test_the_default_set_follows_the_model_installation_settings_choose(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI leaves the set to the job: once EMBEDPIPE_MODEL fills in a plain folder, the
+    default set is ``mean``, not the packaged MiniLM's ``model``."""
+    from flows.cli import build_parser
+    from flows.cli.embed import build_job
+    from pipeline.config import parse
+    from pipeline.settings import load_settings
+
+    job = build_job(build_parser().parse_args(["embed", "c", "o"]))
+    dumped = job.model_dump(mode="json", exclude_unset=True)
+    assert "poolers" not in dumped and [p.name for p in job.poolers] == ["model"]
+    monkeypatch.setenv("EMBEDPIPE_MODEL", str(tiny_model_dir))
+    final = parse(EmbedJob, load_settings().apply_to_job(dumped), "job")
+    assert [p.name for p in final.poolers] == ["mean"]
+
+
+def test_search_encodes_queries_with_the_query_prompt(headed: Path, tmp_path: Path) -> None:
+    from _search_sets import embedded_set
+    from sentence_transformers import SentenceTransformer
+
+    from pipeline.index import IndexRequest, index_set
+    from pipeline.search import Searcher
+
+    out = embedded_set(tmp_path, headed, name="model", strategy="model")
+    index_set(IndexRequest(out=str(out), set_name="model"), say=lambda _: None)
+    searcher = Searcher(str(out), "model")
+    queries = ["how to train a neural network", "lemon cake"]
+    st = SentenceTransformer(str(headed), device="cpu")
+    got = searcher.encode(queries)
+    np.testing.assert_allclose(got, st.encode_query(queries), atol=1e-5)
+    assert np.abs(got - st.encode(queries)).max() > 1e-4  # not the document prompt

@@ -1,0 +1,128 @@
+"""Sentence-transformers models come out exactly as ``SentenceTransformer.encode`` gives them.
+
+Each variant (one per pooling mode; with and without Dense, Normalize, prompts, a short
+max_seq_length, prompt tokens left out of pooling) is saved by sentence-transformers, then
+embedded by embedpipe's default ``model`` set on a few hundred real texts, long ones
+included: same width, cosine >= 0.9999 and the same norm for documents (the document
+prompt) and queries (the query prompt), and the same query-document scores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _st_models import VARIANTS, Variant, real_texts, save_variant
+from conftest import build_tiny_bert
+
+from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.data import TextBatch
+from pipeline.embedder import Embedder
+
+MIN_COSINE = 0.9999
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return real_texts(300)
+
+
+@pytest.fixture(scope="module")
+def st_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("st-models")
+    base = build_tiny_bert(root / "base")
+    return {v.name: save_variant(base, root / v.name, v) for v in VARIANTS}
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def assert_same(ours: np.ndarray, theirs: np.ndarray, what: str) -> float:
+    assert ours.shape == theirs.shape, (what, ours.shape, theirs.shape)
+    worst = float(cosines(ours, theirs).min())
+    assert worst >= MIN_COSINE, (what, worst)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), np.linalg.norm(theirs, axis=1),
+                               rtol=1e-4, err_msg=what)
+    return worst
+
+
+def ours_for(folder: Path, **encoder) -> Embedder:
+    cfg = EncoderConfig(model=str(folder), dtype="fp32", device="cpu", **encoder)
+    return Embedder(cfg, [PoolerSpec(name="model")])
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_documents_and_queries_match_sentence_transformers(
+    variant: Variant, st_models: dict[str, Path], texts: list[str]
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    folder = st_models[variant.name]
+    st = SentenceTransformer(str(folder), device="cpu")
+    ours = ours_for(folder)
+    docs, queries = ours.encode(texts, "model"), ours.encode_queries(texts[:60], "model")
+    st_docs = st.encode(texts, batch_size=32)
+    st_queries = st.encode_query(texts[:60], batch_size=32)
+    doc_cos = assert_same(docs, st_docs, f"{variant.name} documents")
+    query_cos = assert_same(queries, st_queries, f"{variant.name} queries")
+    np.testing.assert_allclose(queries @ docs.T, st_queries @ st_docs.T, rtol=1e-3, atol=1e-4)
+    print(f"\n{variant.name}: min cosine documents {doc_cos:.7f}, queries {query_cos:.7f}")
+
+
+def test_the_modules_shape_the_set(st_models: dict[str, Path]) -> None:
+    """Width from Dense, norm from Normalize, length from max_seq_length, prompts from the
+    config: what the issue saw go wrong (48 wide instead of 24; no warning)."""
+    ours = ours_for(st_models["cls_dense_norm_prompts"])
+    assert ours.dims() == {"model": 24}
+    assert ours.encoder.max_length == 64
+    assert ours.encoder.document_prompt.text == "passage: "
+    assert ours.encoder.query_prompt.text == "query: "
+    assert ours.specs["model"].normalize is True
+    unnormalised = ours_for(st_models["max_len64"])
+    assert unnormalised.specs["model"].normalize is False  # the set records the truth
+    norms = np.linalg.norm(unnormalised.encode(["a b c", "hello world"]), axis=1)
+    assert np.abs(norms - 1).min() > 1e-3
+
+
+def test_prompt_names_override_the_model_defaults(
+    st_models: dict[str, Path], texts: list[str]
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    folder = st_models["mean_norm_prompts"]
+    st = SentenceTransformer(str(folder), device="cpu")
+    sample = texts[:40] + texts[-5:]
+    search = ours_for(folder, prompt_name="search", query_prompt_name="document")
+    assert_same(search.encode(sample), st.encode(sample, prompt_name="search"), "search docs")
+    assert_same(search.encode_queries(sample), st.encode(sample, prompt_name="document"),
+                "document-prompted queries")
+    bare = ours_for(folder, prompt_name="")
+    assert_same(bare.encode(sample), st.encode(sample, prompt=""), "no prompt")
+    assert bare.fingerprint("model") != search.fingerprint("model")
+
+
+def test_seed_poolers_read_token_states_and_model_head_applies_the_modules(
+    st_models: dict[str, Path], tmp_path: Path, texts: list[str]
+) -> None:
+    """A seed ``cls`` with ``model_head = true`` is the model's own pipeline when the model
+    pools the first token with its prompt; without it, ``cls`` is the bare token state."""
+    from sentence_transformers import SentenceTransformer
+
+    base = build_tiny_bert(tmp_path / "base")
+    v = Variant("cls_head", "cls", dense=(12, "Tanh"), normalize=True,
+                prompts={"query": "query: ", "document": "passage: "}, default_prompt="document")
+    folder = save_variant(base, tmp_path / "st", v)
+    specs = [PoolerSpec(name="model"), PoolerSpec(name="cls_head", strategy="cls",
+                                                  model_head=True),
+             PoolerSpec(name="cls")]
+    ours = Embedder(EncoderConfig(model=str(folder), dtype="fp32", device="cpu"), specs)
+    assert ours.dims() == {"model": 12, "cls_head": 12, "cls": 32}
+    sample = texts[:50] + texts[-5:]
+    vectors = ours.embed(TextBatch(list(range(len(sample))), sample)).vectors
+    expected = SentenceTransformer(str(folder), device="cpu").encode(sample)
+    assert_same(vectors["model"], expected, "model")
+    worst = assert_same(vectors["cls_head"], expected, "cls + model_head")
+    print(f"\ncls + model_head (Dense 32->12 Tanh, Normalize): min cosine {worst:.7f}")
+    assert cosines(vectors["cls"][:, :12], expected).min() < 0.99  # not the model's head
