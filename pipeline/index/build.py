@@ -80,7 +80,7 @@ def index_set(req: IndexRequest, say: Callable[[str], None] = log.info) -> Index
 def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
     info = setdata.read_set(req.out, req.set_name)
     budget = parse_bytes(req.memory_budget)
-    current = store.read_meta(req.out, req.set_name)
+    current = _current(req)
     if current is None or req.rebuild:
         reason = "asked to rebuild" if current is not None else "no index yet"
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
@@ -105,6 +105,16 @@ def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
                            reason=reason)
     return IndexResult(meta=meta, action="caught up", reason=reason)
+
+
+def _current(req: IndexRequest) -> store.IndexMeta | None:
+    """The published index's description; with --rebuild a damaged one is simply replaced."""
+    try:
+        return store.read_meta(req.out, req.set_name)
+    except StorageError:
+        if req.rebuild:
+            return None
+        raise
 
 
 def _check_same_vectors(req: IndexRequest, info: SetInfo, current: store.IndexMeta) -> None:

@@ -8,7 +8,7 @@ from pipeline.config import PoolerSpec
 from pipeline.encoder import EncoderInfo, TokenStates
 from pipeline.errors import ConfigError
 from pipeline.poolers.base import Pooler, register
-from pipeline.poolers.heads import load_head
+from pipeline.poolers.heads import HeadConfig, load_head
 
 
 @register("learned")
@@ -16,19 +16,7 @@ class Learned(Pooler):
     """Reads the layers its head was trained on; refuses heads made for another encoder."""
 
     def __init__(self, spec: PoolerSpec, info: EncoderInfo) -> None:
-        self.head = load_head(spec.head)
-        cfg = self.head.cfg
-        if cfg.hidden_size != info.hidden_size or cfg.num_layers != info.num_layers:
-            raise ConfigError(
-                f"pooling head {spec.head} expects an encoder with hidden size "
-                f"{cfg.hidden_size} and {cfg.num_layers} layers; this one has "
-                f"{info.hidden_size} and {info.num_layers}"
-            )
-        if cfg.model_hash != info.model_hash:
-            raise ConfigError(
-                f"pooling head {spec.head} was trained for encoder {cfg.model_hash}, "
-                f"not for {info.model} ({info.model_hash})"
-            )
+        self.head = load_head(spec.head, expect=lambda cfg: _check_encoder(spec, cfg, info))
         super().__init__(spec, info)
 
     def identity(self) -> dict:
@@ -46,3 +34,18 @@ class Learned(Pooler):
 
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor, states: TokenStates) -> torch.Tensor:
         raise NotImplementedError("the learned pooler applies its head in __call__")
+
+
+def _check_encoder(spec: PoolerSpec, cfg: HeadConfig, info: EncoderInfo) -> None:
+    """Refuse a head made for another encoder, before its weights are read."""
+    if cfg.hidden_size != info.hidden_size or cfg.num_layers != info.num_layers:
+        raise ConfigError(
+            f"pooling head {spec.head} expects an encoder with hidden size "
+            f"{cfg.hidden_size} and {cfg.num_layers} layers; this one has "
+            f"{info.hidden_size} and {info.num_layers}"
+        )
+    if cfg.model_hash != info.model_hash:
+        raise ConfigError(
+            f"pooling head {spec.head} was trained for encoder {cfg.model_hash}, "
+            f"not for {info.model} ({info.model_hash})"
+        )
