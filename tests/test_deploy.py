@@ -187,7 +187,7 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
     assert copied
     for src in copied:
         assert not _docker_context_excludes(src, rules), f".dockerignore drops copied {src}"
-    for heavy in (".git", "tests", "bench", ".hypothesis"):
+    for heavy in (".git", "tests", "bench", ".hypothesis", "infra/.env"):
         assert _docker_context_excludes(heavy, rules), f"{heavy} belongs out of the build context"
 
 
