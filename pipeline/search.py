@@ -4,17 +4,23 @@ The encoder and pooler come from the set's ``_SET.json`` (``get_embedder(Encoder
 **meta['encoder']), [PoolerSpec(**meta['pooler'])])``), and the embedder's fingerprint is
 checked against both the set's and the index's, so a query can never be encoded by a model
 or pooler other than the one that made the vectors it is compared with.
+
+What ``_SET.json`` cannot choose: ``trust_remote_code`` comes only from the caller (the
+operator's ``--trust-remote-code``), and a model that would need it is refused before
+transformers sees it; snippets come only from a corpus that ``SnippetStore.check`` finds to
+hold the set's ids (``snippet_note`` says why there are none).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
 from pydantic import BaseModel
 
-from pipeline.config import EncoderConfig, PoolerSpec
-from pipeline.errors import FingerprintError, StorageError
+from pipeline.config import EncoderConfig, PoolerSpec, parse
+from pipeline.errors import FingerprintError, ModelError, StorageError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta, read_set
 from pipeline.snippets import SnippetStore
 
@@ -41,10 +47,15 @@ def pick_set(out: str, name: str | None) -> str:
 
 
 class Searcher:
-    """One set, loaded once: embedder, index, id map and (if known) the corpus for snippets."""
+    """One set, loaded once: embedder, index, id map and (if checked) the corpus for snippets.
+
+    ``trust_remote_code`` is the operator's choice, never the set's; ``corpus`` overrides the
+    one recorded in ``_SET.json``; ``snippets=False`` skips the corpus (evaluation).
+    """
 
     def __init__(self, out: str, set_name: str | None = None, device: str | None = None,
-                 corpus: str | None = None) -> None:
+                 corpus: str | None = None, trust_remote_code: bool = False,
+                 snippets: bool = True) -> None:
         self.out = out
         self.name = pick_set(out, set_name)
         self.set = read_set(out, self.name)
@@ -56,12 +67,24 @@ class Searcher:
             )
         self.meta: IndexMeta = meta
         self._check_index()
-        self.embedder = self._embedder(device)
+        self.embedder = self._embedder(device, trust_remote_code)
         self.handle = open_index(out, meta)
-        corpus = corpus or self.set.corpus
-        self.snippets = (SnippetStore(corpus, self.set.id_column, self.set.text_column)
-                         if corpus else None)
+        self.snippets: SnippetStore | None = None
+        self.snippet_note: str | None = None
+        if snippets:
+            self.snippets, self.snippet_note = self._snippets(corpus)
         self._lock = threading.Lock()
+
+    def _snippets(self, corpus: str | None) -> tuple[SnippetStore | None, str | None]:
+        """A checked corpus for snippets, or None and the one-line reason there is none."""
+        source = corpus or self.set.corpus
+        if not source:
+            return None, f"set {self.name!r} records no corpus: pass --corpus for snippets"
+        store = SnippetStore(source, self.set.id_column, self.set.text_column)
+        problem = store.check(self.handle.idmap.ids)
+        if problem:
+            return None, f"no snippets for set {self.name!r}: {problem}"
+        return store, None
 
     def _check_index(self) -> None:
         if self.meta.fingerprint != self.set.fingerprint or self.meta.dim != self.set.dim:
@@ -72,14 +95,25 @@ class Searcher:
                 f"`embedpipe index {self.out} --set {self.name} --rebuild`"
             )
 
-    def _embedder(self, device: str | None):
+    def _embedder(self, device: str | None, trust_remote_code: bool):
         from pipeline.embedder import get_embedder
+        from pipeline.encoder import resolve_model_dir
 
-        encoder = EncoderConfig(**self.set.encoder)
+        where = f"the encoder of set {self.name!r}"
+        stored = {**self.set.encoder, "trust_remote_code": trust_remote_code}
         if device:
-            encoder = encoder.model_copy(update={"device": device})
-        spec = PoolerSpec(**self.set.pooler)
-        embedder = get_embedder(encoder, [spec])
+            stored["device"] = device
+        encoder = parse(EncoderConfig, stored, where)
+        if not trust_remote_code:
+            _refuse_remote_code(resolve_model_dir(encoder.model), self.name)
+        spec = parse(PoolerSpec, self.set.pooler, f"the pooler of set {self.name!r}")
+        try:
+            embedder = get_embedder(encoder, [spec])
+        except ModelError as exc:
+            if trust_remote_code or "trust_remote_code" not in str(exc):
+                raise
+            raise ModelError(f"{exc} (for set {self.name!r}; pass --trust-remote-code "
+                             "only if you trust that code)") from None
         made = embedder.fingerprint(spec.name)
         if made != self.set.fingerprint:
             raise FingerprintError(
@@ -110,3 +144,20 @@ class Searcher:
             [Hit(rank=r + 1, id=i, score=s, snippet=texts.get(i)) for r, (i, s) in enumerate(h)]
             for h in found
         ]
+
+
+def _refuse_remote_code(folder, set_name: str) -> None:
+    """A model folder whose config or tokenizer config maps classes to its own code (``auto_map``)
+    would run that code: refused unless the operator passed ``--trust-remote-code``."""
+    for name in ("config.json", "tokenizer_config.json"):
+        path = folder / name
+        try:
+            config = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read {path}: {exc}") from None
+        if isinstance(config, dict) and config.get("auto_map"):
+            raise ModelError(
+                f"set {set_name!r} uses model {folder}, whose {name} asks to run code from "
+                "the model folder (auto_map); refused: pass --trust-remote-code only if you "
+                "trust that code"
+            )

@@ -43,6 +43,7 @@ class ServerConfig(BaseModel):
     queue: int = Field(default=16, ge=0)
     queue_timeout_s: float = Field(default=5.0, gt=0)
     faiss_threads: int = Field(default=1, gt=0)
+    trust_remote_code: bool = False  # the operator's --trust-remote-code, never _SET.json's
 
 
 class SearchRequest(BaseModel):
@@ -151,7 +152,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     if not names:
         raise EmbedpipeError(f"no indexed sets under {config.out}; run `embedpipe index "
                              f"{config.out}` first")
-    searchers = {n: Searcher(config.out, n, device=config.device) for n in names}
+    searchers = {n: Searcher(config.out, n, device=config.device,
+                             trust_remote_code=config.trust_remote_code) for n in names}
     default = names[0]
     pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="search")
     app = FastAPI(title="embedpipe search", version="1", description=__doc__.splitlines()[0])

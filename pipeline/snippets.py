@@ -1,8 +1,11 @@
 """Corpus text joined back to search results by id, for snippets.
 
-The corpus location comes from the set's ``_SET.json`` (``corpus``, ``id_column``,
-``text_column``). The id columns are read once (one row group at a time) and kept in memory;
-texts are read only for the row groups that hold a result, with a small cache of groups.
+The corpus is the one the operator names, or the one recorded in the set's ``_SET.json``
+(``corpus``, ``id_column``, ``text_column``). Neither is trusted until ``check`` has seen
+that it is a corpus of the set: the id and text columns exist with usable types in every
+file, and nearly every id of a sample of the set's ids is found in it. The id columns are read
+once (one row group at a time) and kept in memory; texts are read only for the row groups
+that hold a result, with a small cache of groups.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import storage
+from pipeline.errors import EmbedpipeError
 
 SNIPPET_CHARS = 200
+SAMPLE_IDS = 64
+MIN_FOUND = 0.9  # share of the sample that must be in the corpus (runs may delete a few rows)
 
 
 class SnippetStore:
@@ -29,6 +35,34 @@ class SnippetStore:
         self._cache: OrderedDict[tuple[str, int], pa.Array] = OrderedDict()
         self._cache_groups = cache_groups
         self._lock = threading.Lock()
+
+    def check(self, set_ids: pa.Array) -> str | None:
+        """Why this is not a corpus of the set with ``set_ids`` (one line), or None if it is."""
+        try:
+            problem = self._schema_problem(set_ids.type)
+            if problem:
+                return problem
+            sample = _sample(set_ids)
+            found = len(self.texts(sample.to_pylist())) if len(sample) else 0
+        except EmbedpipeError as exc:
+            return str(exc)
+        if found < MIN_FOUND * len(sample):
+            return (f"{self.corpus} is not the set's corpus: only {found} of {len(sample)} "
+                    f"sampled ids of the set are in its column {self.id_column!r}")
+        return None
+
+    def _schema_problem(self, id_type: pa.DataType) -> str | None:
+        for url in storage.expand_parquet(self.corpus):
+            schema = storage.parquet_file(url).schema_arrow
+            missing = [c for c in (self.id_column, self.text_column) if c not in schema.names]
+            if missing:
+                return f"{url} has no column {missing[0]!r}"
+            if _kind(schema.field(self.id_column).type) != _kind(id_type):
+                return (f"{url}: column {self.id_column!r} is "
+                        f"{schema.field(self.id_column).type}, but the set's ids are {id_type}")
+            if _kind(schema.field(self.text_column).type) != "string":
+                return f"{url}: column {self.text_column!r} is not text"
+        return None
 
     def _load_ids(self) -> list[tuple[str, int, pa.Array]]:
         groups = []
@@ -75,6 +109,20 @@ class SnippetStore:
         while len(self._cache) > self._cache_groups:
             self._cache.popitem(last=False)
         return self._cache[key]
+
+
+def _kind(kind: pa.DataType) -> str:
+    if pa.types.is_integer(kind):
+        return "integer"
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return "string"
+    return str(kind)
+
+
+def _sample(ids: pa.Array) -> pa.Array:
+    """Up to SAMPLE_IDS ids spread evenly over ``ids``."""
+    picks = np.unique(np.linspace(0, len(ids) - 1, min(len(ids), SAMPLE_IDS)).astype(np.int64))
+    return ids.take(pa.array(picks)) if len(ids) else ids
 
 
 def _clip(text: object, chars: int) -> str:

@@ -28,7 +28,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
@@ -176,6 +176,13 @@ def exists(url: str) -> bool:
         return fs.exists(path)
 
 
+def size(url: str) -> int:
+    """Bytes in the file at ``url`` (read before reading a file whose size must be bounded)."""
+    fs, path = filesystem(url)
+    with explained(url, "read"):
+        return int(fs.size(path))
+
+
 def read_bytes(url: str) -> bytes:
     fs, path = filesystem(url)
     with explained(url, "read"):
@@ -319,75 +326,6 @@ def remove(url: str, recursive: bool = False) -> None:
     with explained(url, "remove"):
         if fs.exists(path):
             fs.rm(path, recursive=recursive)
-
-
-def local_dir(url: str, cache_root: str | Path | None = None) -> Path:
-    """A local folder holding the contents of ``url``: the path itself, or a download of it.
-
-    Remote folders are cached under ``EMBEDPIPE_CACHE`` (default ``~/.cache/embedpipe``), in
-    a folder named for a digest of the remote listing (names, sizes, ETags): a changed remote
-    folder gets a fresh, complete download (made in a hidden folder, then renamed), and
-    older downloads of the same URL are removed. A missing remote folder gives an empty one.
-    """
-    if not is_remote(url):
-        return Path(url.removeprefix("file://"))
-    fs, path = filesystem(url)
-    base = path.rstrip("/")
-    with explained(url, "list"):
-        listing = fs.find(base, detail=True) if fs.exists(base) else {}
-    if not listing:
-        _require_bucket(fs, url, "download")
-    manifest = sorted(
-        (name[len(base) + 1:], int(info.get("size") or 0), str(info.get("ETag", "")))
-        for name, info in listing.items()
-        if name.startswith(base + "/") and info.get("type") == "file"
-    )
-    token = hashlib.sha256(json.dumps(manifest).encode()).hexdigest()[:16]
-    root = Path(cache_root or os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache/embedpipe"))
-    parent = root / "remote" / url.split("://", 1)[1].strip("/")
-    target = parent / token
-    if not _matches(target, manifest):
-        _download(fs, url, base, manifest, parent, target)
-    _prune(parent, keep=token)
-    return target
-
-
-def _matches(folder: Path, manifest: list[tuple[str, int, str]]) -> bool:
-    """True when ``folder`` holds exactly the files of ``manifest``, at their sizes."""
-    if not folder.is_dir():
-        return False
-    local = sorted(
-        (p.relative_to(folder).as_posix(), p.stat().st_size)
-        for p in folder.rglob("*") if p.is_file()
-    )
-    return local == [(name, size) for name, size, _ in manifest]
-
-
-def _download(fs, url: str, base: str, manifest, parent: Path, target: Path) -> None:
-    tmp = parent / f".partial-{uuid.uuid4().hex}"
-    try:
-        with explained(url, "download"):
-            tmp.mkdir(parents=True)
-            for name, _, _ in manifest:
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(f"{base}/{name}", str(tmp / name))
-        if target.exists():  # a stale or modified copy under the same digest
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished the same download first
-            if not _matches(target, manifest):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _prune(parent: Path, keep: str) -> None:
-    """Remove older downloads of the same URL (best effort: another process may hold one)."""
-    for child in parent.iterdir():
-        if child.name != keep and len(child.name) == 16 and child.is_dir():
-            with suppress(OSError):
-                shutil.rmtree(child)
 
 
 def upload_dir(local: str | Path, url: str) -> None:

@@ -187,26 +187,35 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
     assert copied
     for src in copied:
         assert not _docker_context_excludes(src, rules), f".dockerignore drops copied {src}"
-    for heavy in (".git", "tests", "bench", ".hypothesis"):
+    for heavy in (".git", "tests", "bench", ".hypothesis", "infra/.env"):
         assert _docker_context_excludes(heavy, rules), f"{heavy} belongs out of the build context"
 
 
 # --- compose --------------------------------------------------------------------------------
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+KEYS = {"MINIO_ROOT_USER": "u-test", "MINIO_ROOT_PASSWORD": "p-test-123",
+        "PREFECT_AUTH_STRING": "admin:s-test", "EMBEDPIPE_API_KEY": "k-test"}
 
 
 def _interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's variable interpolation: ${VAR}, ${VAR:-default}, $$ for a literal $."""
-    return _VAR.sub(
-        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1)) or (m.group(2) or ""), text
-    )
+    """Compose's interpolation: ${VAR}, ${VAR:-default}, ${VAR:?error} (required), $$ for $."""
+
+    def value(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.groups()
+        if op in (":?", "?") and not env.get(name):
+            raise ValueError(f"required variable {name} is missing a value: {arg}")
+        return env.get(name) or (arg if op in (":-", "-") else "")
+
+    return _VAR.sub(value, text)
 
 
-def _compose(text: str) -> dict:
+def _compose(text: str, env: dict[str, str] = KEYS) -> dict:
     from compose_spec import PyOptions
 
-    parsed = PyOptions(apply_merge=True).from_yaml(_interpolate(text, {}))
+    parsed = PyOptions(apply_merge=True).from_yaml(_interpolate(text, env))
     parsed.validate()
     return parsed.to_dict()
 
@@ -241,7 +250,41 @@ def test_compose_file_is_valid_and_wires_the_stack():
 
     # Negative control: the validator rejects a misspelled key.
     with pytest.raises(ValueError, match="portz"):
-        _compose(text.replace("    ports:\n      - \"8000:8000\"", "    portz:\n      - \"8000\""))
+        _compose(text.replace("    ports:\n      - \"127.0.0.1:8000:8000\"",
+                              "    portz:\n      - \"8000\""))
+
+
+def test_compose_publishes_on_loopback_only_and_needs_every_key():
+    text = (INFRA / "compose.yaml").read_text()
+    services = _compose(text)["services"]
+    assert {n for n, svc in services.items() if svc.get("ports")} == {
+        "minio", "prefect-server", "query"}
+    assert _beyond_loopback(services) == []
+    env = {name: svc.get("environment", {}) for name, svc in services.items()}
+    assert env["query"]["EMBEDPIPE_API_KEY"] == KEYS["EMBEDPIPE_API_KEY"]
+    assert env["prefect-server"]["PREFECT_SERVER_API_AUTH_STRING"] == KEYS["PREFECT_AUTH_STRING"]
+    for name in ("embed-worker", "index-worker", "query", "prefect"):
+        assert env[name]["PREFECT_API_AUTH_STRING"] == KEYS["PREFECT_AUTH_STRING"], name
+        assert env[name]["AWS_SECRET_ACCESS_KEY"] == KEYS["MINIO_ROOT_PASSWORD"], name
+    assert env["minio"]["MINIO_ROOT_USER"] == KEYS["MINIO_ROOT_USER"]
+    assert env["minio"]["MINIO_ROOT_PASSWORD"] == KEYS["MINIO_ROOT_PASSWORD"]
+    for key in KEYS:  # no committed default: without a key the file does not even load
+        with pytest.raises(ValueError, match=f"required variable {key}"):
+            _compose(text, {k: v for k, v in KEYS.items() if k != key})
+    # Negative control: a port published on every interface is caught.
+    wide = _compose(text.replace('"127.0.0.1:9001:9001"', '"9001:9001"'))["services"]
+    assert _beyond_loopback(wide) == ["minio 9001:9001"]
+
+
+def _beyond_loopback(services: dict) -> list[str]:
+    """Published ports (short or long syntax) not bound to 127.0.0.1."""
+    wide = []
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            host = port.split(":")[0] if isinstance(port, str) else port.get("host_ip")
+            if host != "127.0.0.1":
+                wide.append(f"{name} {port}")
+    return wide
 
 
 # --- Kubernetes job templates -----------------------------------------------------------------

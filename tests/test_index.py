@@ -207,3 +207,56 @@ def test_index_on_s3_builds_locally_uploads_and_loads_through_a_cache(
     assert (caught.action, caught.meta.rows) == ("caught up", 1_499), caught.reason
     top = open_index(out, store.read_meta(out, "s")).search(x[:1], 3)[0]
     assert "d0" not in [i for i, _ in top]
+
+
+_OUT_OF_MEMORY = """
+import resource, sys
+from pipeline.errors import EmbedpipeError
+from pipeline.index import IndexRequest, index_set, setdata
+out = sys.argv[1]
+info = setdata.read_set(out, "s")
+for _ in setdata.iter_batches(setdata.list_parts(out, info), info.dim, 10_000):
+    pass  # IO threads and buffers exist before the limit
+vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize"))
+limit = vm * 1024 + (100 << 20)  # 100 MB more: far below the flat index of 400k x 64
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+try:
+    index_set(IndexRequest(out=out, set_name="s", kind="flat", batch_rows=10_000))
+except EmbedpipeError as exc:
+    print(f"{type(exc).__name__}: {exc}")
+    sys.exit(1)
+"""
+
+
+@pytest.mark.slow
+def test_running_out_of_memory_while_building_is_one_line_naming_the_budget(tmp_path):
+    """A real allocation failure: the build runs in a process whose address space is capped."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from _index_sets import write_changes
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "sets" / "s"
+    folder.mkdir(parents=True)
+    names = [f"part-{p:05d}.parquet" for p in range(4)]
+    for p, name in enumerate(names):  # 4 x 100k rows of 64 floats, written column-wise
+        flat = pa.array(rng.standard_normal(100_000 * 64, dtype=np.float32))
+        table = pa.table({"id": np.arange(p * 100_000, (p + 1) * 100_000),
+                          "embedding": pa.FixedSizeListArray.from_arrays(flat, 64)})
+        pq.write_table(table, folder / name, row_group_size=10_000)
+    write_meta(tmp_path, "s", meta("s", 64))
+    write_changes(tmp_path, "s", 1, names, [])
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
+           "ARROW_DEFAULT_MEMORY_POOL": "system"}
+    done = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    line = done.stdout.strip()
+    assert line.startswith("ConfigError: out of memory building the index of set 's'"), line
+    assert "--memory-budget 4GB" in line and len(line.splitlines()) == 1
+    assert not (tmp_path / "index" / "s" / "_INDEX.json").exists()

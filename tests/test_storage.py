@@ -256,45 +256,18 @@ def _read_folder(path: Path) -> dict[str, bytes]:
             for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_upload_dir_then_local_dir_round_trip(root: str, tmp_path: Path) -> None:
+def test_upload_dir_round_trip(root: str, tmp_path: Path) -> None:
     src = tmp_path / "build"
     files = {"index.faiss": os.urandom(50_000), "ids.parquet": b"ids", "sub/x.bin": b"x",
              "_INDEX.json": json.dumps({"kind": "flat"}).encode()}
     _make_folder(src, files)
     url = storage.join(root, "index", "mean")
     storage.upload_dir(src, url)
-    assert storage.read_bytes(storage.join(url, "sub/x.bin")) == b"x"
-
-    cache = tmp_path / "cache"
-    local = storage.local_dir(url, cache_root=cache)
-    assert _read_folder(local) == files
-    if not storage.is_remote(url):
-        assert local == Path(url)
-    else:
-        assert cache in local.parents
-        assert storage.local_dir(url, cache_root=cache) == local  # cached, not re-downloaded
-
-
-def test_local_dir_follows_remote_changes(s3_bucket: str, tmp_path: Path) -> None:
-    url = f"s3://{s3_bucket}/index/mean"
-    storage.write_bytes(f"{url}/index.faiss", b"v1")
-    storage.write_bytes(f"{url}/stale.bin", b"old")
-    first = storage.local_dir(url, cache_root=tmp_path)
-    assert _read_folder(first) == {"index.faiss": b"v1", "stale.bin": b"old"}
-
-    storage.write_bytes(f"{url}/index.faiss", b"v2")
-    storage.remove(f"{url}/stale.bin")
-    second = storage.local_dir(url, cache_root=tmp_path)
-    assert _read_folder(second) == {"index.faiss": b"v2"}
-    assert not first.exists()  # the older download was pruned
-
-    (second / "index.faiss").write_bytes(b"local edit")  # a damaged cache is re-downloaded
-    assert _read_folder(storage.local_dir(url, cache_root=tmp_path)) == {"index.faiss": b"v2"}
-
-
-def test_local_dir_of_missing_prefix_is_empty(s3_bucket: str, tmp_path: Path) -> None:
-    local = storage.local_dir(f"s3://{s3_bucket}/nothing/here", cache_root=tmp_path)
-    assert local.is_dir() and not any(local.iterdir())
+    for name, data in files.items():
+        assert storage.read_bytes(storage.join(url, name)) == data
+        assert storage.size(storage.join(url, name)) == len(data)
+    listed = {u.rsplit("/", 1)[-1] for u in storage.list_files(url)}
+    assert listed == {"index.faiss", "ids.parquet", "sub", "_INDEX.json"}
 
 
 def test_upload_dir_between_local_folders(tmp_path: Path) -> None:
@@ -320,7 +293,7 @@ def test_endpoint_from_standard_variable_and_hostname(s3_server, s3_bucket, monk
         "Body"].read() == b"ok"
 
 
-@pytest.mark.parametrize("call", ["read", "write", "list", "expand", "local_dir"])
+@pytest.mark.parametrize("call", ["read", "write", "list", "expand", "size"])
 def test_missing_bucket(s3_server, call: str, tmp_path: Path) -> None:
     url = "s3://no-such-bucket-embedpipe/corpus/part.parquet"
     actions = {
@@ -328,7 +301,7 @@ def test_missing_bucket(s3_server, call: str, tmp_path: Path) -> None:
         "write": lambda: storage.write_bytes(url, b"x"),
         "list": lambda: storage.list_files(url),
         "expand": lambda: storage.expand_parquet(url),
-        "local_dir": lambda: storage.local_dir(url, cache_root=tmp_path),
+        "size": lambda: storage.size(url),
     }
     with pytest.raises(StorageError) as exc:
         actions[call]()

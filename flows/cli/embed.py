@@ -128,6 +128,7 @@ def _inherit_encoder(job: EmbedJob) -> EmbedJob:
     if not existing:
         raise ConfigError(f"{job.out} has no sets to backfill next to; use `embedpipe embed`")
     encoder = sets.read_meta(job.out, existing[0]).encoder
+    encoder.pop("trust_remote_code", None)  # never taken from a file, only from the job's config
     encoder |= job.encoder.model_dump(mode="json", exclude_unset=True)
     return parse(EmbedJob, job.model_dump(mode="json") | {"encoder": encoder}, "backfill job")
 

@@ -24,9 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("text", metavar="TEXT", nargs="+")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--set", dest="set_name", metavar="NAME")
-    p.add_argument("--corpus", help="corpus for snippets (default: as recorded in _SET.json)")
+    p.add_argument("--corpus", help="corpus for snippets (default: as recorded in _SET.json); "
+                   "used only if it holds the set's ids")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--json", action="store_true", help="print JSON")
+    _trust_flag(p)
     p.set_defaults(func=run_query)
 
     p = subparsers.add_parser("serve", help="HTTP search API (FastAPI)")
@@ -38,6 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="searches run at once")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait")
     p.add_argument("--max-k", type=int, default=100)
+    _trust_flag(p)
     p.set_defaults(func=run_serve)
 
     p = subparsers.add_parser("eval", help="recall@1/10, MRR@10, nDCG@10 per set")
@@ -47,7 +50,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="PNG", help="bar chart comparing the sets")
+    _trust_flag(p)
     p.set_defaults(func=run_eval)
+
+
+def _trust_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a set's model run code from its folder (auto_map); never taken "
+                   "from _SET.json")
 
 
 def run_index(args: argparse.Namespace) -> int:
@@ -70,7 +80,10 @@ def run_query(args: argparse.Namespace) -> int:
     text = " ".join(args.text)
     if not text.strip():
         raise ConfigError("the query text is empty")
-    searcher = Searcher(args.out, args.set_name, device=args.device, corpus=args.corpus)
+    searcher = Searcher(args.out, args.set_name, device=args.device, corpus=args.corpus,
+                        trust_remote_code=args.trust_remote_code)
+    if searcher.snippet_note:
+        print(f"note: {searcher.snippet_note}", file=sys.stderr)
     hits = searcher.search([text], args.k)[0]
     if args.json:
         print(json.dumps({"set": searcher.name, "query": text,
@@ -93,8 +106,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = parse(ServerConfig, {"out": args.out, "sets": tuple(args.sets),
                                   "device": args.device, "workers": args.workers,
-                                  "queue": args.queue, "max_k": args.max_k}, "server options")
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+                                  "queue": args.queue, "max_k": args.max_k,
+                                  "trust_remote_code": args.trust_remote_code}, "server options")
+    app = create_app(config)
+    for searcher in app.state.searchers.values():  # served, without snippets for that set
+        if searcher.snippet_note:
+            print(f"note: {searcher.snippet_note}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
@@ -109,7 +127,9 @@ def run_eval(args: argparse.Namespace) -> int:
         from pipeline.errors import StorageError
 
         raise StorageError(f"no indexed sets under {args.out}; run `embedpipe index` first")
-    results = [evaluate.evaluate_set(Searcher(args.out, n), relevant, args.k) for n in names]
+    searchers = [Searcher(args.out, n, trust_remote_code=args.trust_remote_code, snippets=False)
+                 for n in names]
+    results = [evaluate.evaluate_set(s, relevant, args.k) for s in searchers]
     if args.plot:
         evaluate.plot(results, args.plot)
     if args.json:

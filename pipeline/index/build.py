@@ -67,9 +67,20 @@ class IndexResult(BaseModel):
 
 def index_set(req: IndexRequest, say: Callable[[str], None] = log.info) -> IndexResult:
     """Bring ``OUT/index/<set>`` up to date with the set: nothing, a catch-up or a full build."""
+    try:
+        return _index_set(req, say)
+    except MemoryError:
+        raise ConfigError(
+            f"out of memory building the index of set {req.set_name!r} with --memory-budget "
+            f"{req.memory_budget}: this machine has less free memory than that budget; pass "
+            "a smaller --memory-budget (a more compact index kind) or free memory"
+        ) from None
+
+
+def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
     info = setdata.read_set(req.out, req.set_name)
     budget = parse_bytes(req.memory_budget)
-    current = store.read_meta(req.out, req.set_name)
+    current = _current(req)
     if current is None or req.rebuild:
         reason = "asked to rebuild" if current is not None else "no index yet"
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
@@ -94,6 +105,16 @@ def index_set(req: IndexRequest, say: Callable[[str], None] = log.info) -> Index
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
                            reason=reason)
     return IndexResult(meta=meta, action="caught up", reason=reason)
+
+
+def _current(req: IndexRequest) -> store.IndexMeta | None:
+    """The published index's description; with --rebuild a damaged one is simply replaced."""
+    try:
+        return store.read_meta(req.out, req.set_name)
+    except StorageError:
+        if req.rebuild:
+            return None
+        raise
 
 
 def _check_same_vectors(req: IndexRequest, info: SetInfo, current: store.IndexMeta) -> None:
@@ -153,7 +174,7 @@ def _full(req: IndexRequest, info: SetInfo, budget: int, previous: store.IndexMe
                  kind=plan.kind, factory=plan.factory, mode="full")
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
-    store.publish(req.out, index, idmap, meta)
+    meta = store.publish(req.out, index, idmap, meta)
     return meta
 
 
@@ -258,7 +279,7 @@ def _catch_up(req: IndexRequest, info: SetInfo, budget: int, current: store.Inde
                  kind=current.kind, factory=current.factory, mode="catch-up")
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
-    store.publish(req.out, index, idmap, meta)
+    meta = store.publish(req.out, index, idmap, meta)
     return meta, f"+{added:,} -{len(dropped):,} rows"
 
 

@@ -5,10 +5,16 @@ of a build get fresh names (``index-<token>.faiss``, ``idmap-<token>.parquet``),
 whole, and only then is ``_INDEX.json`` replaced to point at them. A reader that loaded the
 previous ``_INDEX.json`` still finds its files: the previous version is kept, older ones
 are pruned. Remote indexes are built locally, uploaded, and loaded through a local cache.
+
+Nothing in ``_INDEX.json`` is trusted: the set name must be the folder's, the token a plain
+name and the file names ``index-<token>.faiss`` / ``idmap-<token>.parquet``, so no path built
+from it leaves ``OUT/index/<set>/`` or the cache; and the SHA-256 it records of each file is
+checked before FAISS or Arrow reads a byte of it (a changed file fails, naming the file).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -23,8 +29,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pipeline import storage
 from pipeline.errors import StorageError
 from pipeline.index.idmap import IdMap
+from pipeline.names import file_name, set_name
 
 MARKER = "_INDEX.json"
+_CHUNK = 1 << 22
 
 
 class IndexMeta(BaseModel):
@@ -52,6 +60,8 @@ class IndexMeta(BaseModel):
     idmap_file: str
     token: str
     previous_token: str | None = None
+    index_sha256: str | None = None  # set by ``publish``; required when read back
+    idmap_sha256: str | None = None
     mode: str  # "full" or "catch-up"
     built_at: float
     build_seconds: float
@@ -66,44 +76,85 @@ def index_url(out: str, name: str) -> str:
 
 
 def read_meta(out: str, name: str) -> IndexMeta | None:
-    url = storage.join(index_url(out, name), MARKER)
+    """The validated ``_INDEX.json`` of set ``name``, or None when it has no index."""
+    url = storage.join(index_url(out, set_name(name)), MARKER)
     if not storage.exists(url):
         return None
     try:
-        return IndexMeta.model_validate(storage.read_json(url))
+        meta = IndexMeta.model_validate(storage.read_json(url))
     except ValidationError as exc:
         raise StorageError(f"{url} is not an index description: {exc.errors()[0]['msg']}") from None
+    return _checked(meta, name, url)
+
+
+def _checked(meta: IndexMeta, name: str, url: str) -> IndexMeta:
+    """``meta`` if every name in it stays inside its folder and the checksums are there."""
+    if meta.name != name:
+        raise StorageError(f"{url} describes set {meta.name!r}, not {name!r}")
+    file_name(meta.token, f"{url} (token)")
+    if meta.previous_token is not None:
+        file_name(meta.previous_token, f"{url} (previous_token)")
+    files = (meta.index_file, meta.idmap_file)
+    if files != (f"index-{meta.token}.faiss", f"idmap-{meta.token}.parquet"):
+        raise StorageError(
+            f"{url} names files {files[0]!r} and {files[1]!r}; expected "
+            f"index-{meta.token}.faiss and idmap-{meta.token}.parquet"
+        )
+    if not (_is_sha256(meta.index_sha256) and _is_sha256(meta.idmap_sha256)):
+        raise StorageError(
+            f"{url} records no SHA-256 of its files (made by an older embedpipe?); rebuild "
+            f"with `embedpipe index {url.rsplit('/index/', 1)[0]} --set {name} --rebuild`"
+        )
+    return meta
+
+
+def _is_sha256(value: str | None) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef"
+                                                               for c in value)
 
 
 def new_token() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 
-def publish(out: str, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> None:
-    """Write the index files under new names, then ``_INDEX.json``; prune old versions."""
+def publish(out: str, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> IndexMeta:
+    """Write the index files under new names, then ``_INDEX.json`` with their SHA-256; prune
+    old versions. Returns ``meta`` with the checksums, as a reader will find it."""
     dest = index_url(out, meta.name)
     if storage.is_remote(dest):
         with tempfile.TemporaryDirectory(prefix="embedpipe-index-") as tmp:
-            _stage(Path(tmp), index, idmap, meta)
+            meta = _stage(Path(tmp), index, idmap, meta)
             storage.upload_dir(tmp, dest)  # files whose names start with "_" go last
     else:
         folder = Path(dest.removeprefix("file://"))
         staging = folder / f".staging-{meta.token}"
         try:
-            _stage(staging, index, idmap, meta)
+            meta = _stage(staging, index, idmap, meta)
             for name in (meta.index_file, meta.idmap_file, MARKER):
                 os.replace(staging / name, folder / name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     _prune(dest, keep={meta.token, meta.previous_token})
+    return meta
 
 
-def _stage(folder: Path, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> None:
+def _stage(folder: Path, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> IndexMeta:
     folder.mkdir(parents=True, exist_ok=True)
     with storage.explained(str(folder), "write"):
         faiss.write_index(index, str(folder / meta.index_file))
         pq.write_table(idmap.to_table(), folder / meta.idmap_file, compression="zstd")
+        meta = meta.model_copy(update={"index_sha256": _sha256(folder / meta.index_file),
+                                       "idmap_sha256": _sha256(folder / meta.idmap_file)})
         (folder / MARKER).write_text(meta.model_dump_json(indent=2))
+    return meta
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _prune(dest: str, keep: set[str | None]) -> None:
@@ -117,32 +168,62 @@ def _prune(dest: str, keep: set[str | None]) -> None:
 
 
 def local_files(out: str, meta: IndexMeta) -> tuple[Path, Path]:
-    """Local paths of the index and id map: the files themselves, or cached downloads."""
-    src = index_url(out, meta.name)
-    if not storage.is_remote(src):
-        folder = Path(src.removeprefix("file://"))
-        return folder / meta.index_file, folder / meta.idmap_file
+    """Local paths of the index and id map, checked against ``meta``'s SHA-256: the files
+    themselves, or (remote OUT) downloads in the one cache, ``EMBEDPIPE_CACHE/index/...``."""
+    src = index_url(out, set_name(meta.name))
+    _checked(meta, meta.name, storage.join(src, MARKER))
+    local = not storage.is_remote(src)
+    folder = Path(src.removeprefix("file://")) if local else _cached(src, meta)
+    for name, digest in ((meta.index_file, meta.index_sha256),
+                         (meta.idmap_file, meta.idmap_sha256)):
+        _verify(folder / name, digest, storage.join(src, name))
+    return folder / meta.index_file, folder / meta.idmap_file
+
+
+def _verify(path: Path, digest: str | None, shown: str) -> None:
+    with storage.explained(shown, "read"):
+        found = _sha256(path)
+    if found != digest:
+        raise StorageError(
+            f"{shown} does not match the SHA-256 in its {MARKER} (changed or damaged since "
+            "it was published); rebuild the index with `embedpipe index ... --rebuild`"
+        )
+
+
+def _cached(src: str, meta: IndexMeta) -> Path:
+    """The cache folder of ``meta``'s version of remote index ``src``, downloaded if missing
+    (into a hidden folder, checked, then renamed); other versions of it are removed."""
     root = Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache/embedpipe"))
-    target = root / "index" / src.split("://", 1)[1].strip("/") / meta.token
+    parent = root / "index" / src.split("://", 1)[1].strip("/")
+    target = parent / file_name(meta.token, "the index token")
+    if not target.resolve().is_relative_to((root / "index").resolve()):
+        raise StorageError(f"index {src} would be cached outside {root / 'index'}")
     if not (target / meta.idmap_file).exists():
-        fs, path = storage.filesystem(src)
-        partial = target.parent / f".partial-{uuid.uuid4().hex}"
-        partial.mkdir(parents=True)
-        try:
-            for name in (meta.index_file, meta.idmap_file):
-                with storage.explained(storage.join(src, name), "download"):
-                    fs.get_file(f"{path.rstrip('/')}/{name}", str(partial / name))
-            if not target.exists():
-                os.replace(partial, target)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    for old in target.parent.iterdir():
+        _download(src, meta, parent, target)
+    for old in parent.iterdir():
         if old.is_dir() and old.name != meta.token and not old.name.startswith("."):
             shutil.rmtree(old, ignore_errors=True)
-    return target / meta.index_file, target / meta.idmap_file
+    return target
+
+
+def _download(src: str, meta: IndexMeta, parent: Path, target: Path) -> None:
+    fs, path = storage.filesystem(src)
+    partial = parent / f".partial-{uuid.uuid4().hex}"
+    partial.mkdir(parents=True)
+    try:
+        for name, digest in ((meta.index_file, meta.index_sha256),
+                             (meta.idmap_file, meta.idmap_sha256)):
+            with storage.explained(storage.join(src, name), "download"):
+                fs.get_file(f"{path.rstrip('/')}/{name}", str(partial / name))
+            _verify(partial / name, digest, storage.join(src, name))
+        if not target.exists():  # else another process finished the same download first
+            os.replace(partial, target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def load(out: str, meta: IndexMeta) -> tuple[faiss.Index, IdMap]:
+    """The index and id map of ``meta``, read only after their checksums matched."""
     index_path, idmap_path = local_files(out, meta)
     with storage.explained(str(index_path), "read"):
         try:

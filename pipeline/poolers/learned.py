@@ -9,7 +9,7 @@ from pipeline.encoder import EncoderInfo, TokenStates
 from pipeline.errors import ConfigError
 from pipeline.models.head import ModelParts
 from pipeline.poolers.base import Pooler, register
-from pipeline.poolers.heads import load_head
+from pipeline.poolers.heads import HeadConfig, load_head
 
 
 @register("learned")
@@ -21,19 +21,7 @@ class Learned(Pooler):
         if spec.model_head:
             raise ConfigError(f"pooler {spec.name!r}: a learned head cannot take model_head = true "
                               "(train it with an adapter instead)")
-        self.pooling_head = load_head(spec.head)
-        cfg = self.pooling_head.cfg
-        if cfg.hidden_size != info.hidden_size or cfg.num_layers != info.num_layers:
-            raise ConfigError(
-                f"pooling head {spec.head} expects an encoder with hidden size "
-                f"{cfg.hidden_size} and {cfg.num_layers} layers; this one has "
-                f"{info.hidden_size} and {info.num_layers}"
-            )
-        if cfg.model_hash != info.model_hash:
-            raise ConfigError(
-                f"pooling head {spec.head} was trained for encoder {cfg.model_hash}, "
-                f"not for {info.model} ({info.model_hash})"
-            )
+        self.pooling_head = load_head(spec.head, expect=lambda cfg: _check_encoder(spec, cfg, info))
         super().__init__(spec, info, parts)
 
     def identity(self) -> dict:
@@ -52,3 +40,18 @@ class Learned(Pooler):
 
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor, states: TokenStates) -> torch.Tensor:
         raise NotImplementedError("the learned pooler applies its head in __call__")
+
+
+def _check_encoder(spec: PoolerSpec, cfg: HeadConfig, info: EncoderInfo) -> None:
+    """Refuse a head made for another encoder, before its weights are read."""
+    if cfg.hidden_size != info.hidden_size or cfg.num_layers != info.num_layers:
+        raise ConfigError(
+            f"pooling head {spec.head} expects an encoder with hidden size "
+            f"{cfg.hidden_size} and {cfg.num_layers} layers; this one has "
+            f"{info.hidden_size} and {info.num_layers}"
+        )
+    if cfg.model_hash != info.model_hash:
+        raise ConfigError(
+            f"pooling head {spec.head} was trained for encoder {cfg.model_hash}, "
+            f"not for {info.model} ({info.model_hash})"
+        )
