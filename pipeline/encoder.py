@@ -83,6 +83,7 @@ class Encoder:
         hf_logging.disable_progress_bar()
         self.cfg = cfg
         self.files = loader.read_model_files(cfg.model)
+        loader.refuse_remote_code(self.files, cfg.trust_remote_code)
         self.folder = self.files.folder
         try:
             self.tokenizer = loader.load_tokenizer(self.files, cfg.trust_remote_code)

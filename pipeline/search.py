@@ -13,7 +13,6 @@ hold the set's ids (``snippet_note`` says why there are none).
 
 from __future__ import annotations
 
-import json
 import threading
 
 import numpy as np
@@ -97,15 +96,12 @@ class Searcher:
 
     def _embedder(self, device: str | None, trust_remote_code: bool):
         from pipeline.embedder import get_embedder
-        from pipeline.encoder import resolve_model_dir
 
         where = f"the encoder of set {self.name!r}"
         stored = {**self.set.encoder, "trust_remote_code": trust_remote_code}
         if device:
             stored["device"] = device
         encoder = parse(EncoderConfig, stored, where)
-        if not trust_remote_code:
-            _refuse_remote_code(resolve_model_dir(encoder.model), self.name)
         spec = parse(PoolerSpec, self.set.pooler, f"the pooler of set {self.name!r}")
         try:
             embedder = get_embedder(encoder, [spec])
@@ -144,20 +140,3 @@ class Searcher:
             [Hit(rank=r + 1, id=i, score=s, snippet=texts.get(i)) for r, (i, s) in enumerate(h)]
             for h in found
         ]
-
-
-def _refuse_remote_code(folder, set_name: str) -> None:
-    """A model folder whose config or tokenizer config maps classes to its own code (``auto_map``)
-    would run that code: refused unless the operator passed ``--trust-remote-code``."""
-    for name in ("config.json", "tokenizer_config.json"):
-        path = folder / name
-        try:
-            config = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot read {path}: {exc}") from None
-        if isinstance(config, dict) and config.get("auto_map"):
-            raise ModelError(
-                f"set {set_name!r} uses model {folder}, whose {name} asks to run code from "
-                "the model folder (auto_map); refused: pass --trust-remote-code only if you "
-                "trust that code"
-            )

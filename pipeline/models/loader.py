@@ -7,6 +7,7 @@ any work. ``load_*`` then build what those files describe.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,24 @@ def read_model_files(model: str | None) -> ModelFiles:
     return ModelFiles(folder, transformer_dir, read_transformer_config(transformer_dir),
                       read_pooling_config(entries[1].path), entries[2:], read_prompts(folder),
                       tuple(e.path for e in entries))
+
+
+def refuse_remote_code(files: ModelFiles, trust_remote_code: bool) -> None:
+    """A folder whose config or tokenizer config maps classes to its own code (``auto_map``)
+    would run that code when loaded: refused unless the operator asked for it."""
+    if trust_remote_code:
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        path = files.transformer_dir / name
+        try:
+            config = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read {path}: {exc}") from None
+        if isinstance(config, dict) and config.get("auto_map"):
+            raise ModelError(
+                f"model {files.folder}: its {name} asks to run code from the model folder "
+                "(auto_map); refused: pass --trust-remote-code only if you trust that code"
+            )
 
 
 def load_tokenizer(files: ModelFiles, trust_remote_code: bool):
