@@ -2,7 +2,8 @@
 
 Nothing read from disk is trusted: a set or index name from ``_SET.json`` or ``_INDEX.json``,
 a file name recorded in a marker or a changes file, must be a plain name that cannot leave
-the folder it is joined to (the patterns allow no separator, no leading dot, no scheme, no control character).
+the folder it is joined to (the patterns allow no separator, no leading dot, no scheme, no
+control character).
 """
 
 from __future__ import annotations
