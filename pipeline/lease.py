@@ -75,12 +75,18 @@ class Holder(BaseModel):
 
     def describe(self, now: float) -> str:
         since = datetime.fromtimestamp(self.since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-        argv = f" `{self.argv[:200]}`" if self.argv else ""
-        return (f"{self.command[:40]!r}{argv} (pid {self.pid} on {self.host[:100]}, since "
-                f"{since}, renewed {max(0.0, now - self.renewed):.0f}s ago)")
+        argv = f" `{_plain(self.argv, 500)}`" if self.argv else ""
+        return (f"{_plain(self.command, 40)!r}{argv} (pid {self.pid} on "
+                f"{_plain(self.host, 100)}, since {since}, renewed "
+                f"{max(0.0, now - self.renewed):.0f}s ago)")
 
     def encode(self) -> bytes:
         return self.model_dump_json(indent=2).encode()
+
+
+def _plain(text: str, limit: int) -> str:
+    """``text`` read from the lease file, on one line of printable characters."""
+    return "".join(c for c in " ".join(text.split()) if c.isprintable())[:limit]
 
 
 def lease_ttl() -> float:
@@ -377,6 +383,9 @@ def check_held(out: str) -> None:
 
 
 def _command_line() -> str:
-    """This process's command line, program shortened to its file name."""
-    argv = [os.path.basename(sys.executable), *sys.argv] if sys.argv[:1] != [""] else []
-    return " ".join(argv)[:300]
+    """This process's command line as typed (``python -m flows.cli embed …``), program
+    shortened to its file name."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if argv:
+        argv[0] = os.path.basename(argv[0])
+    return " ".join(argv)[:500]

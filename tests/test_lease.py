@@ -186,3 +186,29 @@ def test_a_bad_ttl_is_one_line(monkeypatch, raw):
     monkeypatch.setenv("EMBEDPIPE_LEASE_TTL", raw)
     with pytest.raises(ConfigError, match="EMBEDPIPE_LEASE_TTL"):
         lease_ttl()
+
+
+def test_the_ttl_can_come_from_the_settings_file(tmp_path, monkeypatch):
+    from pipeline.settings import CONFIG_ENV, load_settings
+
+    monkeypatch.delenv("EMBEDPIPE_LEASE_TTL")
+    config = tmp_path / "embedpipe.toml"
+    config.write_text("lease_ttl = 7.5\n")
+    monkeypatch.setenv(CONFIG_ENV, str(config))
+    load_settings().export_env()
+    assert lease_ttl() == 7.5
+    config.write_text("lease_ttl = 0.1\n")
+    monkeypatch.delenv("EMBEDPIPE_LEASE_TTL")
+    with pytest.raises(ConfigError, match="lease_ttl"):
+        load_settings()
+
+
+def test_a_hostile_holder_record_still_gives_one_printable_line(out):
+    now = time.time()
+    record = {"token": "t", "host": "h\n\x1b[31mred", "pid": 1, "command": "embed\nrm -rf /",
+              "argv": "python -c\nimport os", "since": now, "renewed": now, "ttl": 600}
+    storage.write_bytes(storage.join(out, LEASE_FILE), json.dumps(record).encode())
+    with pytest.raises(LeaseHeld) as caught:
+        WriterLease(out, "embed").acquire()
+    line = str(caught.value)
+    assert "\n" not in line and "\x1b" not in line and "`python -c import os`" in line
