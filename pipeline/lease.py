@@ -176,23 +176,21 @@ class _S3Store:
             finally:
                 body.close()
 
-        try:
-            with storage.explained(self.url, "read"):
+        with storage.explained(self.url, "read"):
+            try:
                 return sync(self._fs.loop, get)
-        except StorageError as exc:
-            if "not found" in str(exc).lower():
+            except FileNotFoundError:  # no lease yet (a missing bucket fails on the write)
                 return None, None
-            raise
 
     def _put(self, data: bytes, **condition: str) -> str | None:
-        try:
-            with storage.explained(self.url, "write"):
+        with storage.explained(self.url, "write"):
+            try:
                 response = self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key,
                                             Body=data, **condition)
-        except StorageError as exc:
-            if _conflict(exc):
-                return None
-            raise
+            except Exception as exc:  # s3fs turns a refused condition into an OSError
+                if _conflict(exc):
+                    return None
+                raise
         return response["ETag"]
 
     def create(self, data: bytes) -> str | None:
