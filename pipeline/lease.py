@@ -112,6 +112,7 @@ class _Store(Protocol):
     def read(self) -> tuple[bytes | None, str | None]: ...
     def create(self, data: bytes) -> str | None: ...
     def replace(self, data: bytes, version: str) -> str | None: ...
+    def remove(self, version: str) -> None: ...
 
 
 class _LocalStore:
@@ -156,6 +157,11 @@ class _LocalStore:
             storage.write_bytes(self.url, data)
         return hashlib.sha256(data).hexdigest()
 
+    def remove(self, version: str) -> None:
+        with self._locked(), storage.explained(self.url, "remove"):
+            if self.read()[1] == version:
+                os.remove(self.url)
+
 
 class _S3Store:
     """An S3 object, changed only by conditional PUTs (the ETag is the version)."""
@@ -198,6 +204,15 @@ class _S3Store:
 
     def replace(self, data: bytes, version: str) -> str | None:
         return self._put(data, IfMatch=version)
+
+    def remove(self, version: str) -> None:
+        with storage.explained(self.url, "remove"):
+            try:
+                self._fs.call_s3("delete_object", Bucket=self._bucket, Key=self._key,
+                                 IfMatch=version)
+            except Exception as exc:
+                if not _conflict(exc):
+                    raise
 
 
 def _conflict(exc: BaseException) -> bool:
@@ -326,8 +341,11 @@ class WriterLease:
         with self._lock:
             if self._lost is None and self._version is not None:
                 done = self._me.model_copy(update={"released": True, "renewed": time.time()})
-                with suppress(StorageError):  # unreachable store: the lease expires after its TTL
+                try:
                     self._store.replace(done.encode(), self._version)
+                except StorageError:  # e.g. a full disk: removing needs no space
+                    with suppress(StorageError):  # unreachable: it expires after its TTL
+                        self._store.remove(self._version)
             self._version = None
 
     def _start_renewing(self) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _flowkit import job, read_set, same_vectors, text_for, tree_digest, write_corpus
+from _flowkit import job, out_digest, read_set, same_vectors, text_for, tree_digest, write_corpus
 
 from flows.embed import ShardFailed, backfill_flow, embed_flow, nightly_flow
 from pipeline import faults, storage
@@ -80,11 +80,11 @@ def test_embed_writes_every_valid_row_once_with_metadata(corpus, reference, tiny
 
 def test_rerun_of_a_finished_job_is_a_no_op(corpus, reference, tiny_model_dir):
     out, _, _ = reference
-    before = tree_digest(out)
+    before = out_digest(out)
     summary = embed_flow(job(corpus[0], out, tiny_model_dir, poolers=TWO_SETS, workers=2))
     assert summary["shards_run"] == 0 and summary["embedded"] == 0 and summary["rows"] == 57
     assert summary["generation"] == {"mean": 1, "cls": 1}
-    assert tree_digest(out) == before
+    assert out_digest(out) == before
 
 
 def test_resume_after_a_failure_mid_run(corpus, reference, tiny_model_dir, tmp_path, monkeypatch):
@@ -150,10 +150,10 @@ def test_nightly_embeds_only_new_and_changed_rows(corpus, tiny_model_dir, tmp_pa
     assert same_vectors(read_set(out, "mean"), read_set(fresh, "mean"), atol=1e-5)
     meta = SetFolder(str(out), "mean").read_meta()
     assert meta.rows_written == 73 and meta.generation == 2
-    before = tree_digest(out)
+    before = out_digest(out)
     again = nightly_flow(job(src, out, tiny_model_dir))
     assert again["embedded"] == 0 and again["generation"] == {"mean": 2}
-    assert tree_digest(out) == before
+    assert out_digest(out) == before
 
 
 def test_nightly_records_a_deleted_file(corpus, tiny_model_dir, tmp_path):
