@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.index import IndexRequest, index_set, open_index, read_meta
-from pipeline.index.setdata import iter_batches, list_parts, read_set
+from pipeline.index.setdata import iter_batches, list_parts
+from pipeline.sets import SetFolder
 
 PART_ROWS = 100_000
 
@@ -107,9 +108,8 @@ def main() -> None:
     approx_qps = qps(lambda q: handle.search_labels(q, 10), queries, args.single)
 
     # Exact search over the same vectors (outside the budget: it holds every vector).
-    info = read_set(str(out), "bench")
     flat = faiss.IndexFlatIP(args.dim)
-    for _, x in iter_batches(list_parts(str(out), info), args.dim, 65_536):
+    for _, x in iter_batches(list_parts(SetFolder(str(out), "bench"), args.dim), args.dim, 65_536):
         flat.add(x)
     exact_qps = qps(lambda q: flat.search(q, 10), queries, args.single)
     truth = flat.search(queries, 10)[1]  # labels are row numbers = ids = FAISS labels here

@@ -14,12 +14,14 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
+from prefect.runtime import flow_run
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from pipeline import sets
 from pipeline.config import EmbedJob, parse
 from pipeline.errors import ConfigError, CorpusError, EmbedpipeError, FingerprintError, ModelError
 from pipeline.job import ShardRequest, ShardResult, embed_shard
+from pipeline.lease import check_held, writer_lease
 from pipeline.run import RunPlan, finalize, prepare
 from pipeline.settings import load_settings
 
@@ -95,6 +97,7 @@ def _run_shards(plan: RunPlan, progress: bool) -> list[ShardResult]:
                 failure = failure or (futures[future], exc)
                 continue
             results.append(result)
+            check_held(plan.job.out)  # a writer that lost OUT's lease stops here
             if bar is not None:
                 bar.update(result.rows + sum(result.skipped.values()))
     if bar is not None:
@@ -125,16 +128,18 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
     settings = load_settings()  # EMBEDPIPE_* / EMBEDPIPE_CONFIG: defaults of this installation
     settings.export_env()
     spec = parse(EmbedJob, settings.apply_to_job(job), "embedding job")
-    plan = prepare(spec, lambda: get_embedder(spec.encoder, spec.poolers), verify=verify)
-    logger = get_run_logger()
-    logger.info(
-        "%d shards planned, %d already done, %d to run",
-        len(plan.shards),
-        plan.done_shards,
-        len(plan.requests),
-    )
-    results = _run_shards(plan, progress) if plan.requests else []
-    summary = finalize(plan, results, time.perf_counter() - started)
+    with writer_lease(spec.out, flow_run.flow_name or "embed", wait=spec.lease_wait) as lease:
+        plan = prepare(spec, lambda: get_embedder(spec.encoder, spec.poolers), verify=verify)
+        logger = get_run_logger()
+        logger.info(
+            "%d shards planned, %d already done, %d to run",
+            len(plan.shards),
+            plan.done_shards,
+            len(plan.requests),
+        )
+        results = _run_shards(plan, progress) if plan.requests else []
+        lease.check()
+        summary = finalize(plan, results, time.perf_counter() - started)
     logger.info(summary.line())
     return summary.model_dump() | {"line": summary.line()}
 

@@ -7,6 +7,7 @@ from prefect.cache_policies import NO_CACHE
 
 from pipeline.index import IndexRequest, index_set, list_sets
 from pipeline.index.plan import parse_bytes
+from pipeline.lease import writer_lease
 
 
 @task(name="index-set", task_run_name="index {set_name}", cache_policy=NO_CACHE,
@@ -22,12 +23,19 @@ def index_set_task(out: str, set_name: str, kind: str, memory_budget: str,
 
 @flow(name="index", log_prints=True)
 def index_flow(out: str, set_name: str | None = None, kind: str = "auto",
-               memory_budget: str = "4GB", rebuild: bool = False) -> list[dict]:
-    """Index one set, or every set under OUT; returns each set's IndexResult as JSON."""
+               memory_budget: str = "4GB", rebuild: bool = False,
+               lease_wait: float = 0.0) -> list[dict]:
+    """Index one set, or every set under OUT, holding OUT's writer lease (waiting up to
+    ``lease_wait`` s for another writer); returns each set's IndexResult as JSON."""
     parse_bytes(memory_budget)  # a bad budget fails before any work
     names = [set_name] if set_name else list_sets(out)
     if not names:
         from pipeline.errors import StorageError
 
         raise StorageError(f"no sets under {out}/sets to index; run `embedpipe embed` first")
-    return [index_set_task(out, n, kind, memory_budget, rebuild) for n in names]
+    with writer_lease(out, "index", wait=lease_wait) as lease:
+        results = []
+        for name in names:
+            lease.check()
+            results.append(index_set_task(out, name, kind, memory_budget, rebuild))
+        return results

@@ -122,6 +122,7 @@ class EmbedJob(_Strict):
     dask_address: str | None = None
     quarantine: bool = False
     dedupe: bool = False
+    lease_wait: float = Field(default=0, ge=0)  # seconds to wait for another writer of OUT
 
     @model_validator(mode="after")
     def _default_set(self) -> EmbedJob:

@@ -17,10 +17,11 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-from pipeline import faults, sets, storage
+from pipeline import faults, storage
 from pipeline.config import EmbedJob
 from pipeline.corpus import Chunk, read_shard
 from pipeline.data import TextBatch
+from pipeline.sets import SetFolder, ShardMarker, quarantine_url
 from pipeline.shards import Shard
 
 EMBED_ROWS = 8192  # rows handed to the embedder at once (it cuts token-budget batches itself)
@@ -31,7 +32,7 @@ class SetWork(BaseModel):
 
     name: str
     previous: list[str] = []
-    prior: sets.ShardMarker | None = None
+    prior: ShardMarker | None = None
 
 
 class ShardRequest(BaseModel):
@@ -71,11 +72,12 @@ class _Previous:
     def __init__(self, out: str, name: str, shards: list[str]) -> None:
         self.index: dict[object, tuple[int, int]] = {}
         self.vectors: list[np.ndarray] = []
+        folder = SetFolder(out, name)
         for shard in shards:
-            ids, hashes, _ = sets.read_hashes(out, name, shard)
-            if not len(ids) or not storage.exists(sets.part_url(out, name, shard)):
+            ids, hashes, _ = folder.read_hashes(shard)
+            if not len(ids) or not folder.has_part(shard):
                 continue
-            part_ids, vectors = sets.read_part(out, name, shard)
+            part_ids, vectors = folder.read_part(shard)
             if part_ids.to_pylist() != ids.to_pylist():
                 continue  # part and hashes disagree (should not happen): do not trust either
             k = len(self.vectors)
@@ -122,7 +124,7 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     ids = pa.concat_arrays(ids_parts) if ids_parts else pa.array([])
     hashes = np.concatenate(hash_parts) if hash_parts else np.zeros(0, np.uint64)
     if quarantine:  # before any marker: a done shard always has its quarantine file
-        storage.write_parquet(sets.quarantine_url(job.out, shard.id), pa.concat_tables(quarantine))
+        storage.write_parquet(quarantine_url(job.out, shard.id), pa.concat_tables(quarantine))
     outcomes = []
     for work in request.sets:
         matrix = np.concatenate(vectors[work.name]) if vectors[work.name] else None
@@ -186,8 +188,9 @@ def _write_set(request, work, ids, hashes, matrix, skipped) -> tuple[bool, int]:
     """
     out, shard = request.job.out, request.shard
     generation = request.generation[work.name]
-    old_ids, old_hashes, written_in = sets.read_hashes(out, work.name, shard.id)
-    marker = sets.ShardMarker(
+    folder = SetFolder(out, work.name)
+    old_ids, old_hashes, written_in = folder.read_hashes(shard.id)
+    marker = ShardMarker(
         shard=shard.id,
         file=shard.file,
         first_group=shard.first_group,
@@ -201,29 +204,25 @@ def _write_set(request, work, ids, hashes, matrix, skipped) -> tuple[bool, int]:
         work.prior is not None
         and old_ids.to_pylist() == ids.to_pylist()
         and np.array_equal(old_hashes, hashes)
-        and (len(ids) == 0 or storage.exists(sets.part_url(out, work.name, shard.id)))
+        and (len(ids) == 0 or folder.has_part(shard.id))
     )
     if unchanged:  # same rows: at most new signature or skip counts to record
         refreshed = marker.model_copy(update={"generation": written_in})
         if refreshed != work.prior:
-            sets.write_marker(out, work.name, refreshed)
+            folder.write_marker(refreshed)
         return False, 0
     new = set(ids.to_pylist())
     removed = [i for i in old_ids.to_pylist() if i not in new]
-    sets.record_removed(out, work.name, generation, shard.id, removed)
+    folder.record_removed(generation, shard.id, removed)
     faults.hit("write_part", f"{shard.id}/{work.name}")
     if len(ids):
-        sets.write_part(out, work.name, shard.id, ids, matrix)
-        sets.write_hashes(out, work.name, shard.id, ids, hashes, generation)
+        folder.write_part(shard.id, ids, matrix)
+        folder.write_hashes(shard.id, ids, hashes, generation)
     else:
-        sets.remove_part(out, work.name, shard.id)
+        folder.remove_part(shard.id)
     faults.hit("write_marker", f"{shard.id}/{work.name}")
-    sets.write_marker(out, work.name, marker)
+    folder.write_marker(marker)
     return True, len(removed)
-
-
-def _unique(values: list) -> list:
-    return list(dict.fromkeys(values))
 
 
 def _quarantine_table(shard: Shard, chunk: Chunk) -> pa.Table:

@@ -18,11 +18,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pipeline import sets
 from pipeline.config import EmbedJob, stable_hash
 from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates
 from pipeline.errors import CorpusError
 from pipeline.job import SetWork, ShardRequest, ShardResult
+from pipeline.sets import SetFolder, SetMeta, ShardMarker, part_name
 from pipeline.shards import Shard, plan_shards
 
 
@@ -71,12 +71,12 @@ class RunSummary(BaseModel):
         )
 
 
-def set_meta(embedder, job: EmbedJob, name: str, id_type: str) -> sets.SetMeta:
+def set_meta(embedder, job: EmbedJob, name: str, id_type: str) -> SetMeta:
     """The metadata a set made by this job and embedder must carry."""
     spec = embedder.specs[name]
     info = embedder.info
     window = job.encoder.window
-    return sets.SetMeta(
+    return SetMeta(
         name=name,
         fingerprint=embedder.fingerprint(name),
         model=info.model,
@@ -113,11 +113,13 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
         )
     embedder = load_embedder()
     metas = {
-        spec.name: sets.claim(job.out, set_meta(embedder, job, spec.name, corpus.id_type))
+        spec.name: SetFolder(job.out, spec.name).claim(
+            set_meta(embedder, job, spec.name, corpus.id_type)
+        )
         for spec in job.poolers
     }
     generation = {name: meta.generation + 1 for name, meta in metas.items()}
-    markers = {name: sets.read_markers(job.out, name) for name in metas}
+    markers = {name: SetFolder(job.out, name).read_markers() for name in metas}
     requests = []
     for shard in shards:
         drop = _drops(duplicates, shard)
@@ -154,11 +156,11 @@ def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:
     return [r for r in rows if shard.offset <= r < shard.offset + shard.rows]
 
 
-def _done(marker: sets.ShardMarker | None, signature: str) -> bool:
+def _done(marker: ShardMarker | None, signature: str) -> bool:
     return marker is not None and marker.signature == signature
 
 
-def _set_work(shard: Shard, markers: dict[str, sets.ShardMarker], name: str) -> SetWork:
+def _set_work(shard: Shard, markers: dict[str, ShardMarker], name: str) -> SetWork:
     previous = [
         m.shard
         for m in markers.values()
@@ -174,17 +176,18 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSu
     final_gen, rows, skipped, deleted_counts = {}, 0, {}, []
     for spec in job.poolers:
         name, g = spec.name, plan.generation[spec.name]
-        markers = sets.read_markers(job.out, name)
-        _retire(job.out, name, markers, planned, g)
+        folder = SetFolder(job.out, name)
+        markers = folder.read_markers()
+        _retire(folder, markers, planned, g)
         live = [m for sid, m in markers.items() if sid in planned]
-        parts = [sets.part_name(m.shard) for m in live if m.generation == g and m.rows]
-        removed = sets.removed_ids(job.out, name, g)
-        deleted = _left_the_set(job.out, name, removed, [m.shard for m in live])
+        parts = [part_name(m.shard) for m in live if m.generation == g and m.rows]
+        removed = folder.removed_ids(g)
+        deleted = _left_the_set(folder, removed, [m.shard for m in live])
         deleted_counts.append(len(deleted))
         changed = bool(parts or removed)
         rows = sum(m.rows for m in live)
         skipped = _add_counts([m.skipped for m in live])
-        meta = sets.read_meta(job.out, name).model_copy(
+        meta = folder.meta().model_copy(
             update={
                 "shards_done": len(live),
                 "rows_written": rows,
@@ -193,9 +196,9 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSu
             }
         )
         if changed:
-            sets.write_changes(job.out, name, g, parts, deleted)
-        sets.write_meta(job.out, meta)
-        sets.clear_removed(job.out, name, g)
+            folder.write_changes(g, parts, deleted)
+        folder.write_meta(meta)
+        folder.clear_removed(g)
         final_gen[name] = meta.generation
     return RunSummary(
         sets=[p.name for p in job.poolers],
@@ -211,22 +214,22 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSu
     )
 
 
-def _retire(out: str, name: str, markers: dict, planned: set[str], g: int) -> None:
+def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None:
     """Shards no longer planned: record their ids as removed, then delete part and marker."""
     for sid in [sid for sid in markers if sid not in planned]:
-        ids, _, _ = sets.read_hashes(out, name, sid)
-        sets.record_removed(out, name, g, sid, ids.to_pylist())
-        sets.remove_part(out, name, sid)
-        sets.remove_marker(out, name, sid)
+        ids, _, _ = folder.read_hashes(sid)
+        folder.record_removed(g, sid, ids.to_pylist())
+        folder.remove_part(sid)
+        folder.remove_marker(sid)
 
 
-def _left_the_set(out: str, name: str, removed: list, live_shards: list[str]) -> list:
+def _left_the_set(folder: SetFolder, removed: list, live_shards: list[str]) -> list:
     """Removed ids that are not in any live part (ids that moved to another shard stay)."""
     if not removed:
         return []
     gone = dict.fromkeys(removed)
     for sid in live_shards:
-        ids, _, _ = sets.read_hashes(out, name, sid)
+        ids, _, _ = folder.read_hashes(sid)
         for i in ids.to_pylist():
             gone.pop(i, None)
         if not gone:

@@ -20,7 +20,8 @@ from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec, parse
 from pipeline.errors import FingerprintError, ModelError, StorageError
-from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta, read_set
+from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
+from pipeline.sets import SetFolder
 from pipeline.snippets import SnippetStore
 
 
@@ -57,7 +58,7 @@ class Searcher:
                  snippets: bool = True) -> None:
         self.out = out
         self.name = pick_set(out, set_name)
-        self.set = read_set(out, self.name)
+        self.set = SetFolder(out, self.name).meta()
         meta = read_meta(out, self.name)
         if meta is None:
             raise StorageError(
@@ -121,7 +122,7 @@ class Searcher:
     @property
     def stale(self) -> bool:
         """The set has changed since the index was built (run `embedpipe index` to catch up)."""
-        return read_set(self.out, self.name).generation > self.meta.generation
+        return SetFolder(self.out, self.name).meta().generation > self.meta.generation
 
     def encode(self, queries: list[str]) -> np.ndarray:
         with self._lock:  # one forward pass at a time per model

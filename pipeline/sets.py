@@ -1,4 +1,4 @@
-"""A pooler set on disk: ``OUT/sets/<set>/`` with its parts, metadata, markers and changes.
+"""A pooler set on disk: ``OUT/sets/<set>/``, owned by one object, ``SetFolder``.
 
 Layout (the index reads only the first three)::
 
@@ -13,16 +13,26 @@ Layout (the index reads only the first three)::
 
 A shard counts as done only through its marker, and the marker is written last, so a crash
 at any point leaves either a complete shard or one that the next run redoes.
+
+Nothing read from the folder is trusted: the set name (argument and ``_SET.json``), shard ids
+(markers, ``_removed`` files) and part names (``_changes``) are validated by
+``pipeline.names`` before they become a path, so no file in OUT can address a path outside it.
+Every write goes through ``pipeline.storage`` and is atomic.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline import storage
 from pipeline.errors import FingerprintError, StorageError
+from pipeline.names import file_name, set_name
+
+META_FILE = "_SET.json"
+PART_PREFIX = "part-"
 
 
 class SetMeta(BaseModel):
@@ -50,6 +60,11 @@ class SetMeta(BaseModel):
     rows_skipped: dict[str, int] = {}
     generation: int = 0
 
+    @property
+    def metric(self) -> str:
+        """The FAISS metric of the vectors: inner product when normalised, else L2."""
+        return "ip" if self.normalize else "l2"
+
 
 class ShardMarker(BaseModel):
     """``_done/<shard>.json``: the shard's part (if it has rows) and hashes are complete."""
@@ -66,181 +81,291 @@ class ShardMarker(BaseModel):
     generation: int  # the generation that last wrote the part
 
 
-def set_url(out: str, name: str) -> str:
-    return storage.join(out, "sets", name)
+class SetChanges(BaseModel):
+    """``_changes/<generation>.json``: part names (validated) and ids deleted by that run."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    generation: int
+    parts: list[str]
+    deleted_ids: list
 
 
 def part_name(shard: str) -> str:
-    return f"part-{shard}.parquet"
-
-
-def part_url(out: str, name: str, shard: str) -> str:
-    return storage.join(set_url(out, name), part_name(shard))
-
-
-def _hashes_url(out: str, name: str, shard: str) -> str:
-    return storage.join(set_url(out, name), "_hashes", f"{shard}.parquet")
-
-
-def _marker_url(out: str, name: str, shard: str) -> str:
-    return storage.join(set_url(out, name), "_done", f"{shard}.json")
-
-
-def changes_url(out: str, name: str, generation: int) -> str:
-    return storage.join(set_url(out, name), "_changes", f"{generation:06d}.json")
+    return f"{PART_PREFIX}{file_name(shard, 'a shard id')}.parquet"
 
 
 def quarantine_url(out: str, shard: str) -> str:
-    return storage.join(out, "_quarantine", f"{shard}.parquet")
-
-
-# ---- metadata ------------------------------------------------------------------------------
+    return storage.join(out, "_quarantine", f"{file_name(shard, 'a shard id')}.parquet")
 
 
 def list_sets(out: str) -> list[str]:
-    """Names of the sets under ``OUT/sets`` that have metadata."""
+    """Names of the sets under ``OUT/sets`` that have metadata (folders only, names checked).
+
+    A folder whose name is not a valid set name is refused, as is one whose ``_SET.json``
+    names another set: either means the folder was not written by embedpipe.
+    """
     found = []
     for url in storage.list_dirs(storage.join(out, "sets")):
-        name = url.rstrip("/").rsplit("/", 1)[-1]
-        if storage.exists(storage.join(url, "_SET.json")):
-            found.append(name)
+        folder = SetFolder(out, url.rstrip("/").rsplit("/", 1)[-1])
+        if folder.read_meta() is not None:
+            found.append(folder.name)
     return sorted(found)
 
 
-def read_meta(out: str, name: str) -> SetMeta | None:
-    url = storage.join(set_url(out, name), "_SET.json")
-    if not storage.exists(url):
-        return None
-    return SetMeta.model_validate(storage.read_json(url))
+def scan_set(out: str, name: str) -> pl.LazyFrame:
+    """The set's rows as a polars LazyFrame with columns ``id`` and ``embedding``."""
+    return SetFolder(out, name).scan()
 
 
-def write_meta(out: str, meta: SetMeta) -> None:
-    storage.write_json(storage.join(set_url(out, meta.name), "_SET.json"), meta.model_dump())
+def _arrow_type(alias: str) -> pa.DataType:
+    try:
+        return pa.type_for_alias(alias)
+    except ValueError:
+        return pa.string()
 
 
-def claim(out: str, meta: SetMeta) -> SetMeta:
-    """The set's stored metadata, after checking it was made the same way; new sets are created.
+class SetFolder:
+    """One set's files: where each lives, and how it is read, validated and written."""
 
-    Writing ``_SET.json`` before any part means a crashed first run cannot be resumed with
-    another model or pooler and leave a set of mixed vectors.
-    """
-    stored = read_meta(out, meta.name)
-    where = set_url(out, meta.name)
-    if stored is None:
-        done = storage.join(where, "_done")
-        if storage.list_files(where, ".parquet") or storage.list_files(done):
-            raise FingerprintError(
-                f"{where} holds parts but no _SET.json; remove it or use another OUT"
-            )
-        write_meta(out, meta)
-        return meta
-    if stored.fingerprint != meta.fingerprint:
-        raise FingerprintError(
-            f"set {meta.name!r} in {out} was made with fingerprint {stored.fingerprint} "
-            f"(model {stored.model}, pooler {stored.pooler.get('strategy')}), this job makes "
-            f"{meta.fingerprint} (model {meta.model}); use another set name or another OUT"
-        )
-    if stored.id_type != meta.id_type:
-        raise FingerprintError(
-            f"set {meta.name!r} in {out} stores {stored.id_type} ids, the corpus has {meta.id_type}"
-        )
-    return stored
+    def __init__(self, out: str, name: str) -> None:
+        self.out = out
+        self.name = set_name(name, storage.join(out, "sets"))
+        self.url = storage.join(out, "sets", self.name)
 
+    def __repr__(self) -> str:
+        return f"SetFolder({self.url!r})"
 
-# ---- parts and hashes ----------------------------------------------------------------------
+    def _at(self, *parts: str) -> str:
+        return storage.join(self.url, *parts)
 
+    # ---- metadata --------------------------------------------------------------------------
 
-def write_part(out: str, name: str, shard: str, ids: pa.Array, vectors: np.ndarray) -> str:
-    """Write one part atomically; returns its file name."""
-    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).ravel(), pa.float32())
-    embedding = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
-    table = pa.table({"id": ids, "embedding": embedding})
-    storage.write_parquet(part_url(out, name, shard), table)
-    return part_name(shard)
+    @property
+    def meta_url(self) -> str:
+        return self._at(META_FILE)
 
-
-def read_part(out: str, name: str, shard: str) -> tuple[pa.Array, np.ndarray]:
-    table = storage.read_parquet(part_url(out, name, shard))
-    column = table.column("embedding").combine_chunks()
-    dim = column.type.list_size
-    vectors = column.values.to_numpy(zero_copy_only=False).reshape(-1, dim)
-    return table.column("id").combine_chunks(), vectors
-
-
-def write_hashes(
-    out: str, name: str, shard: str, ids: pa.Array, hashes: np.ndarray, generation: int
-) -> None:
-    table = pa.table({"id": ids, "hash": pa.array(hashes, pa.uint64())})
-    table = table.replace_schema_metadata({"generation": str(generation)})
-    storage.write_parquet(_hashes_url(out, name, shard), table)
-
-
-def read_hashes(out: str, name: str, shard: str) -> tuple[pa.Array, np.ndarray, int]:
-    """Ids, content hashes and writing generation of a shard's part (empty, -1 if none)."""
-    url = _hashes_url(out, name, shard)
-    if not storage.exists(url):
-        return pa.array([]), np.zeros(0, np.uint64), -1
-    table = storage.read_parquet(url)
-    ids = table.column("id").combine_chunks()
-    generation = int((table.schema.metadata or {}).get(b"generation", b"-1"))
-    return ids, table.column("hash").combine_chunks().to_numpy(zero_copy_only=False), generation
-
-
-def remove_part(out: str, name: str, shard: str) -> None:
-    storage.remove(part_url(out, name, shard))
-    storage.remove(_hashes_url(out, name, shard))
-
-
-# ---- markers and changes -------------------------------------------------------------------
-
-
-def write_marker(out: str, name: str, marker: ShardMarker) -> None:
-    storage.write_json(_marker_url(out, name, marker.shard), marker.model_dump(mode="json"))
-
-
-def read_markers(out: str, name: str) -> dict[str, ShardMarker]:
-    markers = {}
-    for url in storage.list_files(storage.join(set_url(out, name), "_done"), ".json"):
+    def read_meta(self) -> SetMeta | None:
+        """``_SET.json``, checked to describe this folder's set; None when there is none."""
+        url = self.meta_url
+        if not storage.exists(url):
+            return None
         try:
-            marker = ShardMarker.model_validate(storage.read_json(url))
-        except (StorageError, ValueError):
-            continue  # unreadable marker: the shard is simply redone
-        markers[marker.shard] = marker
-    return markers
+            meta = SetMeta.model_validate(storage.read_json(url))
+        except ValidationError as exc:
+            raise StorageError(
+                f"{url} is not a set description: {exc.errors()[0]['msg']}"
+            ) from None
+        if meta.name != self.name:
+            raise StorageError(
+                f"{url} names set {meta.name[:80]!r}, not {self.name!r}: it was not written "
+                "for this folder; remove or restore it"
+            )
+        return meta
 
+    def meta(self) -> SetMeta:
+        """``_SET.json``; a missing set is one line listing the sets that exist."""
+        meta = self.read_meta()
+        if meta is None:
+            known = list_sets(self.out)
+            raise StorageError(
+                f"no set {self.name!r} under {storage.join(self.out, 'sets')} (sets there: "
+                f"{', '.join(known) if known else 'none'})"
+            )
+        return meta
 
-def remove_marker(out: str, name: str, shard: str) -> None:
-    storage.remove(_marker_url(out, name, shard))
+    def write_meta(self, meta: SetMeta) -> None:
+        if meta.name != self.name:
+            raise StorageError(f"metadata of set {meta.name!r} cannot go into {self.url}")
+        storage.write_json(self.meta_url, meta.model_dump())
 
+    def claim(self, meta: SetMeta) -> SetMeta:
+        """The set's stored metadata, after checking it was made the same way; new sets are
+        created.
 
-def _removed_dir(out: str, name: str) -> str:
-    return storage.join(set_url(out, name), "_removed")
+        Writing ``_SET.json`` before any part means a crashed first run cannot be resumed with
+        another model or pooler and leave a set of mixed vectors.
+        """
+        stored = self.read_meta()
+        if stored is None:
+            if storage.list_files(self.url, ".parquet") or storage.list_files(self._at("_done")):
+                raise FingerprintError(
+                    f"{self.url} holds parts but no {META_FILE}; remove it or use another OUT"
+                )
+            self.write_meta(meta)
+            return meta
+        if stored.fingerprint != meta.fingerprint:
+            raise FingerprintError(
+                f"set {self.name!r} in {self.out} was made with fingerprint {stored.fingerprint} "
+                f"(model {stored.model}, pooler {stored.pooler.get('strategy')}), this job makes "
+                f"{meta.fingerprint} (model {meta.model}); use another set name or another OUT"
+            )
+        if stored.id_type != meta.id_type:
+            raise FingerprintError(
+                f"set {self.name!r} in {self.out} stores {stored.id_type} ids, the corpus has "
+                f"{meta.id_type}"
+            )
+        return stored
 
+    # ---- parts and hashes ------------------------------------------------------------------
 
-def record_removed(out: str, name: str, generation: int, shard: str, ids: list) -> None:
-    """Add ``ids`` to what ``generation`` removed from ``shard`` (merged with earlier attempts)."""
-    if not ids:
-        return
-    url = storage.join(_removed_dir(out, name), f"{generation:06d}-{shard}.json")
-    earlier = storage.read_json(url)["ids"] if storage.exists(url) else []
-    storage.write_json(url, {"generation": generation, "ids": list(dict.fromkeys(earlier + ids))})
+    def url_of(self, name: str) -> str:
+        """URL of the file ``name`` directly in the set's folder (a plain name, checked)."""
+        return self._at(file_name(name, self.url))
 
+    def part_url(self, shard: str) -> str:
+        return self._at(part_name(shard))
 
-def removed_ids(out: str, name: str, generation: int) -> list:
-    found: list = []
-    for url in storage.list_files(_removed_dir(out, name), ".json"):
-        if url.rsplit("/", 1)[-1].startswith(f"{generation:06d}-"):
-            found.extend(storage.read_json(url)["ids"])
-    return list(dict.fromkeys(found))
+    def part_urls(self) -> list[str]:
+        """URLs of the set's parts (``part-*.parquet``, plain names only), sorted."""
+        urls = []
+        for url in storage.list_files(self.url, ".parquet"):
+            name = url.rsplit("/", 1)[-1]
+            if name.startswith(PART_PREFIX):
+                urls.append(self.url_of(name))
+        return urls
 
+    def scan(self) -> pl.LazyFrame:
+        """The set's parts as one polars LazyFrame with columns ``id`` and ``embedding``."""
+        meta = self.meta()
+        urls = self.part_urls()
+        if not urls:
+            empty = pa.table({"id": pa.array([], _arrow_type(meta.id_type)),
+                              "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
+            return pl.from_arrow(empty).lazy()
+        with storage.explained(self.url, "read"):
+            frame = pl.scan_parquet(urls, storage_options=storage.polars_options(self.url))
+        return frame.select("id", "embedding")
 
-def clear_removed(out: str, name: str, up_to: int) -> None:
-    """Forget removal records of generations already written to a changes file."""
-    for url in storage.list_files(_removed_dir(out, name), ".json"):
-        if int(url.rsplit("/", 1)[-1].split("-", 1)[0]) <= up_to:
-            storage.remove(url)
+    def write_part(self, shard: str, ids: pa.Array, vectors: np.ndarray) -> str:
+        """Write one part atomically; returns its file name."""
+        flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).ravel(), pa.float32())
+        embedding = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
+        storage.write_parquet(self.part_url(shard), pa.table({"id": ids, "embedding": embedding}))
+        return part_name(shard)
 
+    def read_part(self, shard: str) -> tuple[pa.Array, np.ndarray]:
+        table = storage.read_parquet(self.part_url(shard))
+        column = table.column("embedding").combine_chunks()
+        vectors = column.values.to_numpy(zero_copy_only=False).reshape(-1, column.type.list_size)
+        return table.column("id").combine_chunks(), vectors
 
-def write_changes(out: str, name: str, generation: int, parts: list[str], deleted: list) -> None:
-    payload = {"generation": generation, "parts": sorted(parts), "deleted_ids": deleted}
-    storage.write_json(changes_url(out, name, generation), payload)
+    def has_part(self, shard: str) -> bool:
+        return storage.exists(self.part_url(shard))
+
+    def _hashes_url(self, shard: str) -> str:
+        return self._at("_hashes", f"{file_name(shard, 'a shard id')}.parquet")
+
+    def write_hashes(self, shard: str, ids: pa.Array, hashes: np.ndarray,
+                     generation: int) -> None:
+        table = pa.table({"id": ids, "hash": pa.array(hashes, pa.uint64())})
+        table = table.replace_schema_metadata({"generation": str(generation)})
+        storage.write_parquet(self._hashes_url(shard), table)
+
+    def read_hashes(self, shard: str) -> tuple[pa.Array, np.ndarray, int]:
+        """Ids, content hashes and writing generation of a shard's part (empty, -1 if none)."""
+        url = self._hashes_url(shard)
+        if not storage.exists(url):
+            return pa.array([]), np.zeros(0, np.uint64), -1
+        table = storage.read_parquet(url)
+        ids = table.column("id").combine_chunks()
+        generation = int((table.schema.metadata or {}).get(b"generation", b"-1"))
+        hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
+        return ids, hashes, generation
+
+    def remove_part(self, shard: str) -> None:
+        storage.remove(self.part_url(shard))
+        storage.remove(self._hashes_url(shard))
+
+    # ---- markers ---------------------------------------------------------------------------
+
+    def _marker_url(self, shard: str) -> str:
+        return self._at("_done", f"{file_name(shard, 'a shard id')}.json")
+
+    def write_marker(self, marker: ShardMarker) -> None:
+        storage.write_json(self._marker_url(marker.shard), marker.model_dump(mode="json"))
+
+    def read_markers(self) -> dict[str, ShardMarker]:
+        """Done markers by shard id. An unreadable marker is skipped (its shard is redone); a
+        marker naming a shard id that is not a plain name is refused with one line."""
+        markers = {}
+        for url in storage.list_files(self._at("_done"), ".json"):
+            try:
+                marker = ShardMarker.model_validate(storage.read_json(url))
+            except (StorageError, ValueError):
+                continue
+            file_name(marker.shard, url)
+            markers[marker.shard] = marker
+        return markers
+
+    def remove_marker(self, shard: str) -> None:
+        storage.remove(self._marker_url(shard))
+
+    # ---- removals and changes --------------------------------------------------------------
+
+    def _removed_url(self, generation: int, shard: str) -> str:
+        return self._at("_removed", f"{generation:06d}-{file_name(shard, 'a shard id')}.json")
+
+    def record_removed(self, generation: int, shard: str, ids: list) -> None:
+        """Add ``ids`` to what ``generation`` removed from ``shard`` (merged with earlier
+        attempts)."""
+        if not ids:
+            return
+        url = self._removed_url(generation, shard)
+        earlier = self._removed_record(url) if storage.exists(url) else []
+        payload = {"generation": generation, "ids": list(dict.fromkeys(earlier + ids))}
+        storage.write_json(url, payload)
+
+    def _removed_records(self) -> list[tuple[int, str]]:
+        """(generation, url) of every ``_removed`` file; names are checked, not trusted."""
+        found = []
+        for url in storage.list_files(self._at("_removed"), ".json"):
+            name = file_name(url.rsplit("/", 1)[-1], self._at("_removed"))
+            generation, dash, _ = name.partition("-")
+            if not (dash and generation.isdigit()):
+                raise StorageError(f"{url}: not a removal record name (<generation>-<shard>.json)")
+            found.append((int(generation), self._at("_removed", name)))
+        return found
+
+    @staticmethod
+    def _removed_record(url: str) -> list:
+        ids = storage.read_json(url).get("ids")
+        if not isinstance(ids, list):
+            raise StorageError(f"{url} needs a list 'ids'")
+        return ids
+
+    def removed_ids(self, generation: int) -> list:
+        found: list = []
+        for g, url in self._removed_records():
+            if g == generation:
+                found.extend(self._removed_record(url))
+        return list(dict.fromkeys(found))
+
+    def clear_removed(self, up_to: int) -> None:
+        """Forget removal records of generations already written to a changes file."""
+        for g, url in self._removed_records():
+            if g <= up_to:
+                storage.remove(url)
+
+    def changes_url(self, generation: int) -> str:
+        return self._at("_changes", f"{generation:06d}.json")
+
+    def write_changes(self, generation: int, parts: list[str], deleted: list) -> None:
+        changes = SetChanges(generation=generation, parts=sorted(parts), deleted_ids=deleted)
+        for name in changes.parts:
+            file_name(name, "a changes file")
+        storage.write_json(self.changes_url(generation), changes.model_dump())
+
+    def read_changes(self, generation: int) -> SetChanges | None:
+        """``_changes/<generation>.json`` with its part names checked, or None when that run
+        left no changes file."""
+        url = self.changes_url(generation)
+        if not storage.exists(url):
+            return None
+        try:
+            changes = SetChanges.model_validate(storage.read_json(url))
+        except ValidationError as exc:
+            raise StorageError(f"{url} is not a changes file: {exc.errors()[0]['msg']}") from None
+        for name in changes.parts:
+            file_name(name, url)
+        return changes

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -30,7 +30,8 @@ ENV_PREFIX = "EMBEDPIPE_"
 CONFIG_ENV = "EMBEDPIPE_CONFIG"
 # Settings that other modules (storage, hardware probe cache) and child processes read from the
 # environment: a value that came from the file is exported so they all see the same one.
-_EXPORTED = {"s3_endpoint": "EMBEDPIPE_S3_ENDPOINT", "cache": "EMBEDPIPE_CACHE"}
+_EXPORTED = {"s3_endpoint": "EMBEDPIPE_S3_ENDPOINT", "cache": "EMBEDPIPE_CACHE",
+             "lease_ttl": "EMBEDPIPE_LEASE_TTL"}
 
 
 class Settings(BaseSettings):
@@ -45,6 +46,7 @@ class Settings(BaseSettings):
     dask_address: str | None = None
     s3_endpoint: str | None = None  # an S3-compatible store (MinIO); None = AWS
     cache: Path | None = None  # hardware probe cache; default ~/.cache/embedpipe
+    lease_ttl: float | None = Field(default=None, ge=0.5, le=86_400)  # writer lease, s (60)
 
     @classmethod
     def settings_customise_sources(

@@ -360,3 +360,24 @@ def upload_dir(local: str | Path, url: str) -> None:
 def _copy_into(source: Path, fh) -> None:
     with open(source, "rb") as src:
         shutil.copyfileobj(src, fh)
+
+
+def polars_options(url: str) -> dict[str, str]:
+    """``storage_options`` for polars (object_store keys) that reach ``url`` as fsspec does:
+    the same endpoint (path-style, plain HTTP allowed for a loopback or private store) and
+    the same credentials from the environment; empty for a local path."""
+    if not is_s3(url):
+        return {}
+    options = {"aws_region": os.environ.get("AWS_REGION")
+               or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    for key, var in (("aws_access_key_id", "AWS_ACCESS_KEY_ID"),
+                     ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+                     ("aws_session_token", "AWS_SESSION_TOKEN")):
+        if os.environ.get(var):
+            options[key] = os.environ[var]
+    endpoint = endpoint_url()
+    if endpoint:
+        options["aws_endpoint_url"] = endpoint
+        options["aws_virtual_hosted_style_request"] = "false"
+        options["aws_allow_http"] = str(endpoint.startswith("http://")).lower()
+    return options

@@ -69,6 +69,13 @@ def tree_digest(folder: Path | str) -> dict[str, str]:
     }
 
 
+def out_digest(out: Path | str) -> dict[str, str]:
+    """``tree_digest`` of an OUT without its writer lease, which every writer run renews."""
+    from pipeline.lease import LEASE_FILE
+
+    return {k: v for k, v in tree_digest(out).items() if k not in (LEASE_FILE, ".lease.lock")}
+
+
 def run_library(job_dict: dict, verify: bool = False) -> RunSummary:
     """What the flows do, without Prefect: prepare, every shard in turn, finalize."""
     spec = parse(EmbedJob, job_dict, "job")

@@ -11,6 +11,10 @@ Two server-side tools make failures real rather than mocked:
   reads half of the request body and then answers ``500 InternalError`` — what S3 does when an
   upload dies on its side. The client's real retry logic then either absorbs the failure
   (a transient fault) or gives up (a persistent one). It also logs every upload it sees.
+
+The layer also makes a conditional PUT (``If-Match`` / ``If-None-Match``) one step, as S3
+does: moto 5.2 checks the condition and then writes, so two racing conditional PUTs could
+both pass there; here they are serialised.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Faults:
     uploads: list[str] = field(default_factory=list)
     _rules: list[_Rule] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _conditional: threading.Lock = field(default_factory=threading.Lock)
 
     @contextmanager
     def failing_uploads(self, pattern: str, times: int | None = None,
@@ -96,6 +101,10 @@ class Faults:
             if self._take(key) is None:
                 with self._lock:
                     self.uploads.append(key)
+                if "HTTP_IF_MATCH" in environ or "HTTP_IF_NONE_MATCH" in environ:
+                    # moto checks a PUT's condition, then writes; S3 does both as one step
+                    with self._conditional:
+                        return app(environ, start_response)
                 return app(environ, start_response)
             length = int(environ.get("CONTENT_LENGTH") or 0)
             environ["wsgi.input"].read(length // 2)  # the upload dies half-way

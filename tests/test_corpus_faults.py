@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 from _flowkit import job, read_set, run_library, text_for, tree_digest, write_corpus
 
-from pipeline import sets
 from pipeline.errors import CorpusError, FingerprintError
+from pipeline.sets import SetFolder
 
 
 def test_bad_rows_are_skipped_counted_and_quarantined(tmp_path, tiny_model_dir):
@@ -36,7 +36,7 @@ def test_bad_rows_are_skipped_counted_and_quarantined(tmp_path, tiny_model_dir):
     expected = {"null_id": 1, "null_text": 1, "empty_text": 2, "not_string": 2}
     assert summary.skipped == expected
     assert "skipped 6 rows (empty_text 2, not_string 2, null_id 1, null_text 1)" in summary.line()
-    meta = sets.read_meta(str(tmp_path / "out"), "mean")
+    meta = SetFolder(str(tmp_path / "out"), "mean").read_meta()
     assert meta.rows_skipped == expected and meta.rows_written == 9
     assert sorted(read_set(tmp_path / "out", "mean")) == [0, 1, 3, 6, 7, 8, 9, 10, 11]
     quarantine = pa.concat_tables(
@@ -152,7 +152,7 @@ def test_failure_while_writing_then_rerun_gives_every_row_once(tmp_path, tiny_mo
     ref, got = read_set(tmp_path / "ref", "mean"), read_set(tmp_path / "out", "mean")
     assert sorted(got) == list(range(n))
     assert all(np.array_equal(got[i], ref[i]) for i in range(n))
-    meta = sets.read_meta(str(tmp_path / "out"), "mean")
+    meta = SetFolder(str(tmp_path / "out"), "mean").read_meta()
     assert meta.rows_written == n and meta.shards_done == 5 and meta.generation == 1
 
 

@@ -8,13 +8,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _flowkit import job, read_set, same_vectors, text_for, tree_digest, write_corpus
+from _flowkit import job, out_digest, read_set, same_vectors, text_for, tree_digest, write_corpus
 
 from flows.embed import ShardFailed, backfill_flow, embed_flow, nightly_flow
-from pipeline import faults, sets, storage
+from pipeline import faults, storage
 from pipeline.config import EmbedJob
 from pipeline.embedder import get_embedder
 from pipeline.errors import ConfigError, CorpusError
+from pipeline.sets import SetFolder, list_sets, part_name
 
 TWO_SETS = [{"name": "mean"}, {"name": "cls", "layers": [-1, -2]}]
 
@@ -64,7 +65,7 @@ def test_embed_writes_every_valid_row_once_with_metadata(corpus, reference, tiny
     for spec in TWO_SETS:
         name = spec["name"]
         assert sorted(vectors[name]) == sorted(valid)
-        meta = sets.read_meta(str(out), name)
+        meta = SetFolder(str(out), name).read_meta()
         assert meta.fingerprint == embedder.fingerprint(name)
         assert (meta.model, meta.model_hash) == (str(tiny_model_dir), embedder.info.model_hash)
         assert meta.dim == 32 and meta.dtype == "fp32" and meta.normalize
@@ -72,18 +73,18 @@ def test_embed_writes_every_valid_row_once_with_metadata(corpus, reference, tiny
         assert (meta.shards_done, meta.rows_written, meta.generation) == (4, 57, 1)
         assert meta.rows_skipped == {"null_text": 1, "empty_text": 2}
         parts = sorted(p.name for p in (out / "sets" / name).glob("part-*.parquet"))
-        changes = storage.read_json(sets.changes_url(str(out), name, 1))
+        changes = storage.read_json(SetFolder(str(out), name).changes_url(1))
         assert changes == {"generation": 1, "parts": parts, "deleted_ids": []}
     assert not np.allclose(vectors["mean"][0], vectors["cls"][0])
 
 
 def test_rerun_of_a_finished_job_is_a_no_op(corpus, reference, tiny_model_dir):
     out, _, _ = reference
-    before = tree_digest(out)
+    before = out_digest(out)
     summary = embed_flow(job(corpus[0], out, tiny_model_dir, poolers=TWO_SETS, workers=2))
     assert summary["shards_run"] == 0 and summary["embedded"] == 0 and summary["rows"] == 57
     assert summary["generation"] == {"mean": 1, "cls": 1}
-    assert tree_digest(out) == before
+    assert out_digest(out) == before
 
 
 def test_resume_after_a_failure_mid_run(corpus, reference, tiny_model_dir, tmp_path, monkeypatch):
@@ -94,7 +95,7 @@ def test_resume_after_a_failure_mid_run(corpus, reference, tiny_model_dir, tmp_p
     expected = r"failed after 2 retries: InjectedFault.*rerun to resume"
     with pytest.raises(ShardFailed, match=expected):
         embed_flow(spec)
-    done = {n: len(sets.read_markers(str(tmp_path / "out"), n)) for n in ("mean", "cls")}
+    done = {n: len(SetFolder(str(tmp_path / "out"), n).read_markers()) for n in ("mean", "cls")}
     assert done == {"mean": 1, "cls": 1}
     # bounded: 2 good writes, then 3 failing shards x (1 try + 2 retries)
     assert faults.hits(str(tmp_path / "fp"), "write_part") == 2 + 3 * 3
@@ -103,9 +104,9 @@ def test_resume_after_a_failure_mid_run(corpus, reference, tiny_model_dir, tmp_p
     assert summary["shards_run"] == 3 and summary["rows"] == 57
     for name, ref in reference[2].items():
         assert same_vectors(read_set(tmp_path / "out", name), ref)
-        meta = sets.read_meta(str(tmp_path / "out"), name)
+        meta = SetFolder(str(tmp_path / "out"), name).read_meta()
         assert (meta.shards_done, meta.rows_written, meta.generation) == (4, 57, 1)
-        changes = storage.read_json(sets.changes_url(str(tmp_path / "out"), name, 1))
+        changes = storage.read_json(SetFolder(str(tmp_path / "out"), name).changes_url(1))
         assert len(changes["parts"]) == 4  # the changes file covers both attempts
 
 
@@ -137,22 +138,22 @@ def test_nightly_embeds_only_new_and_changed_rows(corpus, tiny_model_dir, tmp_pa
     assert summary["embedded"] == 2 + 10 + 10
     assert summary["rows"] == 57 - 4 + 20 and summary["removed"] == 4
     assert summary["generation"] == {"mean": 2}
-    changes = storage.read_json(sets.changes_url(str(out), "mean", 2))
+    changes = storage.read_json(SetFolder(str(out), "mean").changes_url(2))
     assert changes["deleted_ids"] == [41, 42, 43, 44]
     assert changes["parts"] == sorted(
-        sets.part_name(s)
-        for s in sets.read_markers(str(out), "mean")
+        part_name(s)
+        for s in SetFolder(str(out), "mean").read_markers()
         if not s.endswith("g00002-00004") or not s.startswith("a-")
     )
     fresh = tmp_path / "fresh"
     embed_flow(job(src, fresh, tiny_model_dir))
     assert same_vectors(read_set(out, "mean"), read_set(fresh, "mean"), atol=1e-5)
-    meta = sets.read_meta(str(out), "mean")
+    meta = SetFolder(str(out), "mean").read_meta()
     assert meta.rows_written == 73 and meta.generation == 2
-    before = tree_digest(out)
+    before = out_digest(out)
     again = nightly_flow(job(src, out, tiny_model_dir))
     assert again["embedded"] == 0 and again["generation"] == {"mean": 2}
-    assert tree_digest(out) == before
+    assert out_digest(out) == before
 
 
 def test_nightly_records_a_deleted_file(corpus, tiny_model_dir, tmp_path):
@@ -162,7 +163,7 @@ def test_nightly_records_a_deleted_file(corpus, tiny_model_dir, tmp_path):
     embed_flow(job(src, out, tiny_model_dir))
     (src / "b.parquet").unlink()
     summary = nightly_flow(job(src, out, tiny_model_dir))
-    changes = storage.read_json(sets.changes_url(str(out), "mean", 2))
+    changes = storage.read_json(SetFolder(str(out), "mean").changes_url(2))
     assert changes["parts"] == [] and sorted(changes["deleted_ids"]) == [
         i for i in range(100, 115) if i != 103
     ]
@@ -182,7 +183,7 @@ def test_backfill_adds_sets_and_leaves_existing_ones_byte_identical(corpus, tiny
     assert summary["rows"] == 57 and summary["sets"] == ["max"]
     assert tree_digest(out / "sets" / "mean") == before
     assert sorted(read_set(out, "max")) == sorted(corpus[1])
-    assert sets.list_sets(str(out)) == ["max", "mean"]
+    assert list_sets(str(out)) == ["max", "mean"]
 
 
 @pytest.mark.slow
@@ -217,7 +218,7 @@ def test_cli_embed_prints_a_summary_and_fails_in_one_line(corpus, tiny_model_dir
     line = capsys.readouterr().out.strip()
     assert line.startswith("embedded 57 rows") and "[cls_last2]" in line
     assert "skipped 3 rows (empty_text 2, null_text 1)" in line
-    meta = sets.read_meta(str(tmp_path / "out"), "cls_last2")
+    meta = SetFolder(str(tmp_path / "out"), "cls_last2").read_meta()
     assert meta.pooler["layers"] == [-1, -2] and meta.shards_done == 3
     assert main(args[:5] + ["--text-column", "body"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

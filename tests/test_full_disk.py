@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from flows.embed import embed_flow
-from pipeline import sets
 from pipeline.errors import EmbedpipeError
+from pipeline.sets import SetFolder
 from tests._flowkit import job, read_set, same_vectors, text_for, write_corpus
 
 ROWS = 120
@@ -58,7 +58,7 @@ def test_full_disk_then_rerun(small_disk: Path, tmp_path: Path, tiny_model_dir, 
     message = str(failure.value)
     assert "\n" not in message and "No space left on device" in message
     out = small_disk / "out"
-    done = sets.read_markers(str(out), "mean")
+    done = SetFolder(str(out), "mean").read_markers()
     assert 0 < len(done) < ROWS // 20, "the disk filled up part-way through the shards"
     leftovers = [p.name for p in out.rglob(".tmp-*")]
     assert leftovers == [], f"temporary files left behind: {leftovers}"
@@ -69,4 +69,4 @@ def test_full_disk_then_rerun(small_disk: Path, tmp_path: Path, tiny_model_dir, 
     summary = embed_flow(spec)
     assert summary["rows"] == ROWS
     assert same_vectors(read_set(out, "mean"), read_set(tmp_path / "ref", "mean"))
-    assert sets.read_meta(str(out), "mean").rows_written == ROWS
+    assert SetFolder(str(out), "mean").read_meta().rows_written == ROWS

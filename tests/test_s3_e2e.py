@@ -28,9 +28,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import sets, storage
+from pipeline import storage
 from pipeline.corpus import describe
 from pipeline.errors import EmbedpipeError
+from pipeline.sets import SetFolder, list_sets
 from pipeline.shards import plan_shards
 
 pytestmark = pytest.mark.slow
@@ -70,7 +71,7 @@ def job(root: str, model: Path, poolers: list[str]) -> dict:
 def set_rows(out: str, name: str) -> dict[int, np.ndarray]:
     """Every live row of a set, read the way the index reads it: all parts of the set."""
     rows: dict[int, np.ndarray] = {}
-    for url in storage.list_files(sets.set_url(out, name), ".parquet"):
+    for url in storage.list_files(SetFolder(out, name).url, ".parquet"):
         table = storage.read_parquet(url)
         dim = table.schema.field("embedding").type.list_size
         vectors = table.column("embedding").combine_chunks().values.to_numpy().reshape(-1, dim)
@@ -143,15 +144,15 @@ def test_embed_resume_backfill_index_query_on_s3(s3_server, s3_bucket, tiny_mode
     monkeypatch.delenv("AWS_MAX_ATTEMPTS")
 
     # nothing partial: every marker's part is whole, the failed shard has no cls part at all
-    cls_markers = sets.read_markers(out, "cls")
-    mean_markers = sets.read_markers(out, "mean")
+    cls_markers = SetFolder(out, "cls").read_markers()
+    mean_markers = SetFolder(out, "mean").read_markers()
     failed = sorted(set(mean_markers) - set(cls_markers))
     assert failed == [victim], (sorted(mean_markers), sorted(cls_markers))
     assert sorted(mean_markers) == sorted(s.id for s in shards)  # the other shards finished
-    assert not storage.exists(sets.part_url(out, "cls", failed[0]))
+    assert not storage.exists(SetFolder(out, "cls").part_url(failed[0]))
     for name, markers in (("mean", mean_markers), ("cls", cls_markers)):
         for shard, marker in markers.items():
-            assert storage.parquet_file(sets.part_url(out, name, shard)).metadata.num_rows \
+            assert storage.parquet_file(SetFolder(out, name).part_url(shard)).metadata.num_rows \
                 == marker.rows
     assert s3_server.pending_multipart_uploads(s3_bucket) == []
     first_run = uploads_since(s3_server, mark)
@@ -181,7 +182,7 @@ def test_embed_resume_backfill_index_query_on_s3(s3_server, s3_bucket, tiny_mode
     backfill_flow(job(root, tiny_model_dir, ["max"]))
     written = uploads_since(s3_server, mark)
     assert not [k for k in written if "/sets/mean/" in k or "/sets/cls/" in k]
-    assert sets.list_sets(out) == ["cls", "max", "mean"]
+    assert list_sets(out) == ["cls", "max", "mean"]
     assert sorted(set_rows(out, "max")) == sorted(ids)
 
     # 5. index every set: built locally from streamed parts, published to S3, marker last

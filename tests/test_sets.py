@@ -1,97 +1,282 @@
-"""Set folders: metadata, fingerprint claims, parts, hashes, markers and removal records."""
+"""Set folders: metadata, fingerprint claims, parts, hashes, markers, removal records, changes,
+names read from disk, and the polars reader (local and on a real S3 API server)."""
 
 from __future__ import annotations
 
+import json
+import string
+
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pipeline import sets
-from pipeline.errors import FingerprintError
+from pipeline import storage
+from pipeline.errors import FingerprintError, StorageError
+from pipeline.sets import SetFolder, SetMeta, ShardMarker, list_sets, scan_set
 
 
-def meta(name: str = "mean", fingerprint: str = "f1", id_type: str = "int64") -> sets.SetMeta:
-    return sets.SetMeta(
+def meta(name: str = "mean", fingerprint: str = "f1", id_type: str = "int64",
+         dim: int = 4) -> SetMeta:
+    return SetMeta(
         name=name, fingerprint=fingerprint, model="m", model_hash="h", encoder={},
-        pooler={"strategy": "mean"}, dim=4, dtype="fp32", normalize=True, max_length=8,
+        pooler={"strategy": "mean"}, dim=dim, dtype="fp32", normalize=True, max_length=8,
         id_type=id_type,
     )
 
 
 def test_claim_creates_then_accepts_the_same_fingerprint(tmp_path):
-    out = str(tmp_path)
-    assert sets.claim(out, meta()) == meta()
-    assert sets.read_meta(out, "mean") == meta()
+    folder = SetFolder(str(tmp_path), "mean")
+    assert folder.claim(meta()) == meta()
+    assert folder.read_meta() == meta() == folder.meta()
     stored = meta().model_copy(update={"generation": 3, "rows_written": 7})
-    sets.write_meta(out, stored)
-    assert sets.claim(out, meta()) == stored  # progress is kept
-    assert sets.list_sets(out) == ["mean"]
+    folder.write_meta(stored)
+    assert folder.claim(meta()) == stored  # progress is kept
+    assert list_sets(str(tmp_path)) == ["mean"]
+    assert folder.meta().metric == "ip"
 
 
 def test_claim_refuses_another_fingerprint_or_id_type(tmp_path):
-    out = str(tmp_path)
-    sets.claim(out, meta())
+    folder = SetFolder(str(tmp_path), "mean")
+    folder.claim(meta())
     with pytest.raises(FingerprintError, match=r"set 'mean' .* fingerprint f1 .* makes f2"):
-        sets.claim(out, meta(fingerprint="f2"))
+        folder.claim(meta(fingerprint="f2"))
     with pytest.raises(FingerprintError, match="stores int64 ids, the corpus has string"):
-        sets.claim(out, meta(id_type="string"))
+        folder.claim(meta(id_type="string"))
 
 
 def test_claim_refuses_parts_without_metadata(tmp_path):
-    sets.write_part(str(tmp_path), "mean", "s1", pa.array([1]), np.ones((1, 4), np.float32))
+    folder = SetFolder(str(tmp_path), "mean")
+    folder.write_part("s1", pa.array([1]), np.ones((1, 4), np.float32))
     with pytest.raises(FingerprintError, match="holds parts but no _SET.json"):
-        sets.claim(str(tmp_path), meta())
+        folder.claim(meta())
+
+
+def test_a_missing_set_names_the_sets_there(tmp_path):
+    SetFolder(str(tmp_path), "mean").claim(meta())
+    with pytest.raises(StorageError, match=r"no set 'cls' under .*sets there: mean\)"):
+        SetFolder(str(tmp_path), "cls").meta()
 
 
 def test_part_round_trip_keeps_id_type_and_fixed_size_vectors(tmp_path):
+    folder = SetFolder(str(tmp_path), "s")
     vectors = np.arange(12, dtype=np.float32).reshape(3, 4)
-    name = sets.write_part(str(tmp_path), "s", "shard-a", pa.array(["x", "y", "z"]), vectors)
-    assert name == "part-shard-a.parquet"
+    name = folder.write_part("shard-a", pa.array(["x", "y", "z"]), vectors)
+    assert name == "part-shard-a.parquet" and folder.has_part("shard-a")
     schema = pq.read_schema(tmp_path / "sets" / "s" / name)
     assert schema.field("embedding").type == pa.list_(pa.float32(), 4)
     assert schema.field("id").type == pa.string()
-    ids, back = sets.read_part(str(tmp_path), "s", "shard-a")
+    ids, back = folder.read_part("shard-a")
     assert ids.to_pylist() == ["x", "y", "z"] and np.array_equal(back, vectors)
+    assert folder.part_urls() == [folder.part_url("shard-a")]
+    folder.remove_part("shard-a")
+    assert not folder.has_part("shard-a") and folder.part_urls() == []
 
 
 def test_hashes_carry_their_generation(tmp_path):
-    out = str(tmp_path)
-    assert sets.read_hashes(out, "s", "a")[2] == -1
-    sets.write_hashes(out, "s", "a", pa.array([1, 2]), np.array([5, 6], np.uint64), generation=4)
-    ids, hashes, generation = sets.read_hashes(out, "s", "a")
+    folder = SetFolder(str(tmp_path), "s")
+    assert folder.read_hashes("a")[2] == -1
+    folder.write_hashes("a", pa.array([1, 2]), np.array([5, 6], np.uint64), generation=4)
+    ids, hashes, generation = folder.read_hashes("a")
     assert ids.to_pylist() == [1, 2] and hashes.tolist() == [5, 6] and generation == 4
 
 
 def test_removal_records_merge_across_attempts_and_clear(tmp_path):
-    out = str(tmp_path)
-    sets.record_removed(out, "s", 2, "a", [1, 2])
-    sets.record_removed(out, "s", 2, "a", [2, 3])  # a rerun of the same generation
-    sets.record_removed(out, "s", 2, "b", ["x"])
-    sets.record_removed(out, "s", 3, "a", [9])
-    sets.record_removed(out, "s", 3, "a", [])
-    assert sets.removed_ids(out, "s", 2) == [1, 2, 3, "x"]
-    sets.clear_removed(out, "s", 2)
-    assert sets.removed_ids(out, "s", 2) == [] and sets.removed_ids(out, "s", 3) == [9]
+    folder = SetFolder(str(tmp_path), "s")
+    folder.record_removed(2, "a", [1, 2])
+    folder.record_removed(2, "a", [2, 3])  # a rerun of the same generation
+    folder.record_removed(2, "b", ["x"])
+    folder.record_removed(3, "a", [9])
+    folder.record_removed(3, "a", [])
+    assert folder.removed_ids(2) == [1, 2, 3, "x"]
+    folder.clear_removed(2)
+    assert folder.removed_ids(2) == [] and folder.removed_ids(3) == [9]
 
 
 def test_markers_round_trip_and_unreadable_ones_are_ignored(tmp_path):
-    out = str(tmp_path)
-    marker = sets.ShardMarker(shard="a", file="f", first_group=0, end_group=2, signature="x",
-                              rows=5, skipped={"null_text": 1}, generation=1)
-    sets.write_marker(out, "s", marker)
+    folder = SetFolder(str(tmp_path), "s")
+    marker = ShardMarker(shard="a", file="f", first_group=0, end_group=2, signature="x",
+                         rows=5, skipped={"null_text": 1}, generation=1)
+    folder.write_marker(marker)
     (tmp_path / "sets" / "s" / "_done" / "b.json").write_text("{not json")
-    assert sets.read_markers(out, "s") == {"a": marker}
-    sets.remove_marker(out, "s", "a")
-    assert sets.read_markers(out, "s") == {}
+    assert folder.read_markers() == {"a": marker}
+    folder.remove_marker("a")
+    assert folder.read_markers() == {}
 
 
 def test_changes_file_layout(tmp_path):
-    sets.write_changes(str(tmp_path), "s", 7, ["part-b.parquet", "part-a.parquet"], [3])
-    url = sets.changes_url(str(tmp_path), "s", 7)
+    folder = SetFolder(str(tmp_path), "s")
+    folder.write_changes(7, ["part-b.parquet", "part-a.parquet"], [3])
+    url = folder.changes_url(7)
     assert url.endswith("sets/s/_changes/000007.json")
-    from pipeline import storage
-
     assert storage.read_json(url) == {
         "generation": 7, "parts": ["part-a.parquet", "part-b.parquet"], "deleted_ids": [3]
     }
+    changes = folder.read_changes(7)
+    assert changes.parts == ["part-a.parquet", "part-b.parquet"] and changes.deleted_ids == [3]
+    assert folder.read_changes(8) is None
+
+
+# ---- names read from disk are validated before they become paths --------------------------
+
+
+@pytest.mark.parametrize("name", ["../x", "..", "a/b", ".hidden", "s3://b/x", "", "a\nb"])
+def test_a_set_name_that_could_leave_sets_is_refused(tmp_path, name):
+    with pytest.raises(StorageError, match="invalid set name"):
+        SetFolder(str(tmp_path), name)
+
+
+def test_set_json_naming_another_set_is_refused_everywhere(tmp_path):
+    folder = SetFolder(str(tmp_path), "mean")
+    folder.claim(meta())
+    payload = json.loads((tmp_path / "sets" / "mean" / "_SET.json").read_text())
+    (tmp_path / "sets" / "mean" / "_SET.json").write_text(json.dumps(payload | {"name": "../../x"}))
+    for read in (folder.read_meta, folder.meta, lambda: list_sets(str(tmp_path))):
+        with pytest.raises(StorageError, match=r"names set '\.\./\.\./x', not 'mean'"):
+            read()
+    with pytest.raises(StorageError, match="cannot go into"):
+        folder.write_meta(meta(name="cls"))
+
+
+def test_a_folder_under_sets_with_a_bad_name_is_refused(tmp_path):
+    SetFolder(str(tmp_path), "mean").claim(meta())
+    (tmp_path / "sets" / "bad name").mkdir()
+    with pytest.raises(StorageError, match="invalid set name 'bad name'"):
+        list_sets(str(tmp_path))
+
+
+def test_list_sets_skips_files_and_folders_without_metadata(tmp_path):
+    SetFolder(str(tmp_path), "mean").claim(meta())
+    (tmp_path / "sets" / "empty").mkdir()
+    (tmp_path / "sets" / "stray.json").write_text("{}")
+    assert list_sets(str(tmp_path)) == ["mean"]
+
+
+def test_a_marker_naming_a_traversal_shard_is_refused(tmp_path):
+    folder = SetFolder(str(tmp_path), "s")
+    good = ShardMarker(shard="a", file="f", first_group=0, end_group=1, signature="x", rows=1,
+                       generation=1)
+    folder.write_marker(good)
+    evil = good.model_copy(update={"shard": "../../evil"}).model_dump()
+    (tmp_path / "sets" / "s" / "_done" / "b.json").write_text(json.dumps(evil))
+    with pytest.raises(StorageError, match=r"invalid file name '\.\./\.\./evil'"):
+        folder.read_markers()
+    with pytest.raises(StorageError, match="invalid file name"):
+        folder.write_marker(good.model_copy(update={"shard": "../x"}))
+
+
+def test_a_changes_file_naming_a_path_outside_the_set_is_refused(tmp_path):
+    folder = SetFolder(str(tmp_path), "s")
+    folder.write_changes(1, ["part-a.parquet"], [])
+    body = {"generation": 2, "parts": ["../x.parquet"], "deleted_ids": []}
+    (tmp_path / "sets" / "s" / "_changes" / "000002.json").write_text(json.dumps(body))
+    assert folder.read_changes(1).parts == ["part-a.parquet"]
+    with pytest.raises(StorageError, match=r"invalid file name '\.\./x\.parquet'"):
+        folder.read_changes(2)
+    with pytest.raises(StorageError, match="invalid file name"):
+        folder.write_changes(3, ["../y.parquet"], [])
+    (tmp_path / "sets" / "s" / "_changes" / "000004.json").write_text('{"parts": 3}')
+    with pytest.raises(StorageError, match="is not a changes file"):
+        folder.read_changes(4)
+
+
+def test_a_removal_record_with_a_foreign_name_is_refused(tmp_path):
+    folder = SetFolder(str(tmp_path), "s")
+    folder.record_removed(1, "a", [1])
+    (tmp_path / "sets" / "s" / "_removed" / "nodash.json").write_text('{"ids": [2]}')
+    with pytest.raises(StorageError, match="not a removal record name"):
+        folder.removed_ids(1)
+
+
+# ---- invariants ------------------------------------------------------------------------------
+
+SHARD = st.text(string.ascii_letters + string.digits + "_.=-", min_size=1, max_size=40).filter(
+    lambda s: s[0] not in ".=-"
+)
+ANY_TEXT = st.text(min_size=0, max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=ANY_TEXT, shard=ANY_TEXT)
+def test_every_accepted_name_stays_inside_its_folder(name, shard):
+    """Whatever a file says, a path built from it is directly inside the set's folder."""
+    out = "/data/out"
+    try:
+        folder = SetFolder(out, name)
+    except StorageError:
+        return
+    assert folder.url == f"{out}/sets/{name}" and "/" not in name and not name.startswith(".")
+    for build in (folder.part_url, folder.changes_url):
+        try:
+            url = build(shard) if build is folder.part_url else build(len(shard))
+        except StorageError:
+            continue
+        assert url.startswith(folder.url + "/") and ".." not in url[len(folder.url):].split("/")
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(1, 3), SHARD, st.lists(st.integers(0, 20), max_size=5)),
+                    max_size=8),
+       up_to=st.integers(0, 3))
+def test_removal_records_equal_a_model_of_them(tmp_path_factory, ops, up_to):
+    """record_removed / removed_ids / clear_removed behave like a dict of ordered id sets."""
+    folder = SetFolder(str(tmp_path_factory.mktemp("out")), "s")
+    model: dict[int, dict[str, list]] = {}
+    for generation, shard, ids in ops:
+        folder.record_removed(generation, shard, ids)
+        if ids:
+            kept = model.setdefault(generation, {}).setdefault(shard, [])
+            kept[:] = list(dict.fromkeys(kept + ids))
+    for g in (1, 2, 3):
+        expected = [i for shard in sorted(model.get(g, {})) for i in model[g][shard]]
+        assert folder.removed_ids(g) == list(dict.fromkeys(expected))
+    folder.clear_removed(up_to)
+    for g in (1, 2, 3):
+        assert (folder.removed_ids(g) == []) == (g <= up_to or g not in model)
+
+
+# ---- polars reader ---------------------------------------------------------------------------
+
+
+def _write_two_parts(out: str) -> tuple[list, np.ndarray]:
+    folder = SetFolder(out, "mean")
+    folder.claim(meta(id_type="int64", dim=3))
+    vectors = np.arange(15, dtype=np.float32).reshape(5, 3)
+    folder.write_part("a", pa.array([1, 2, 3]), vectors[:3])
+    folder.write_part("b", pa.array([4, 5]), vectors[3:])
+    folder.write_hashes("a", pa.array([1, 2, 3]), np.arange(3, dtype=np.uint64), 1)
+    folder.write_changes(1, ["part-a.parquet", "part-b.parquet"], [])
+    return [1, 2, 3, 4, 5], vectors
+
+
+def _check_scan(out: str, ids: list, vectors: np.ndarray) -> None:
+    frame = scan_set(out, "mean")
+    assert isinstance(frame, pl.LazyFrame)
+    got = frame.sort("id").collect()
+    assert got.columns == ["id", "embedding"]  # only parts: not hashes, markers or changes
+    assert got["id"].to_list() == ids
+    assert got.schema["embedding"] == pl.Array(pl.Float32, 3)
+    assert np.array_equal(got["embedding"].to_numpy(), vectors)
+    assert scan_set(out, "mean").filter(pl.col("id") > 3).collect().height == 2
+
+
+def test_scan_set_round_trips_a_local_set(tmp_path):
+    ids, vectors = _write_two_parts(str(tmp_path))
+    _check_scan(str(tmp_path), ids, vectors)
+
+
+def test_scan_set_of_a_set_without_parts_is_empty_with_the_set_schema(tmp_path):
+    SetFolder(str(tmp_path), "mean").claim(meta(id_type="int64", dim=3))
+    got = scan_set(str(tmp_path), "mean").collect()
+    assert got.height == 0 and got.schema == {"id": pl.Int64, "embedding": pl.Array(pl.Float32, 3)}
+
+
+def test_scan_set_round_trips_a_set_on_s3(s3_bucket):
+    out = f"s3://{s3_bucket}/out"
+    ids, vectors = _write_two_parts(out)
+    _check_scan(out, ids, vectors)
+    with pytest.raises(StorageError, match="no set 'cls'"):
+        scan_set(out, "cls")

@@ -122,12 +122,12 @@ def run_backfill(args: argparse.Namespace) -> int:
 
 def _inherit_encoder(job: EmbedJob) -> EmbedJob:
     """Without --model, a backfill uses the encoder that made the sets already in OUT."""
-    from pipeline import sets
+    from pipeline.sets import SetFolder, list_sets
 
-    existing = sets.list_sets(job.out)
+    existing = list_sets(job.out)
     if not existing:
         raise ConfigError(f"{job.out} has no sets to backfill next to; use `embedpipe embed`")
-    encoder = sets.read_meta(job.out, existing[0]).encoder
+    encoder = SetFolder(job.out, existing[0]).meta().encoder
     encoder.pop("trust_remote_code", None)  # never taken from a file, only from the job's config
     encoder |= job.encoder.model_dump(mode="json", exclude_unset=True)
     return parse(EmbedJob, job.model_dump(mode="json") | {"encoder": encoder}, "backfill job")

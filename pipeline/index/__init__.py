@@ -7,14 +7,13 @@ loads a published index for search.
 from pipeline.index.build import IndexRequest, IndexResult, index_set
 from pipeline.index.handle import IndexHandle
 from pipeline.index.plan import IndexPlan, parse_bytes, plan_index
-from pipeline.index.setdata import SetInfo, read_set
 from pipeline.index.store import IndexMeta, index_url, read_meta
 from pipeline.sets import list_sets
 
 __all__ = [
-    "IndexHandle", "IndexMeta", "IndexPlan", "IndexRequest", "IndexResult", "SetInfo",
+    "IndexHandle", "IndexMeta", "IndexPlan", "IndexRequest", "IndexResult",
     "index_set", "index_url", "list_sets", "open_index", "parse_bytes", "plan_index",
-    "read_meta", "read_set",
+    "read_meta",
 ]
 
 

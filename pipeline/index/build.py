@@ -26,8 +26,9 @@ from pipeline.index.exact import ExactTopK, faiss_metric
 from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import BATCH_ROWS, QUERY_SAMPLE, IndexPlan, parse_bytes, plan_index
-from pipeline.index.setdata import Part, SetInfo
+from pipeline.index.setdata import Part
 from pipeline.index.tune import tune
+from pipeline.sets import SetChanges, SetFolder, SetMeta
 
 log = logging.getLogger("embedpipe.index")
 MAX_MASKED_SHARE = 0.2  # above this share of dead rows in an index that cannot delete: rebuild
@@ -78,7 +79,7 @@ def index_set(req: IndexRequest, say: Callable[[str], None] = log.info) -> Index
 
 
 def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
-    info = setdata.read_set(req.out, req.set_name)
+    info = SetFolder(req.out, req.set_name).meta()
     budget = parse_bytes(req.memory_budget)
     current = _current(req)
     if current is None or req.rebuild:
@@ -117,7 +118,7 @@ def _current(req: IndexRequest) -> store.IndexMeta | None:
         raise
 
 
-def _check_same_vectors(req: IndexRequest, info: SetInfo, current: store.IndexMeta) -> None:
+def _check_same_vectors(req: IndexRequest, info: SetMeta, current: store.IndexMeta) -> None:
     """An index only ever holds vectors of one fingerprint and dimension."""
     if current.fingerprint != info.fingerprint or current.dim != info.dim:
         raise FingerprintError(
@@ -128,10 +129,10 @@ def _check_same_vectors(req: IndexRequest, info: SetInfo, current: store.IndexMe
         )
 
 
-def _changes_since(out: str, info: SetInfo, since: int) -> list[dict] | None:
+def _changes_since(out: str, info: SetMeta, since: int) -> list[SetChanges] | None:
     found = []
     for generation in range(since + 1, info.generation + 1):
-        change = setdata.read_changes(out, info.name, generation)
+        change = SetFolder(out, info.name).read_changes(generation)
         if change is None:
             return None
         found.append(change)
@@ -141,10 +142,10 @@ def _changes_since(out: str, info: SetInfo, since: int) -> list[dict] | None:
 # ---- full build ----------------------------------------------------------------------------
 
 
-def _full(req: IndexRequest, info: SetInfo, budget: int, previous: store.IndexMeta | None,
+def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMeta | None,
           say: Callable[[str], None]) -> store.IndexMeta:
     started = time.perf_counter()
-    parts = setdata.list_parts(req.out, info)
+    parts = setdata.list_parts(SetFolder(req.out, info.name), info.dim)
     rows = sum(p.rows for p in parts)
     if rows == 0:
         raise StorageError(f"set {info.name!r} in {req.out} has no rows to index")
@@ -207,7 +208,7 @@ def _id_type(parts: list[Part]) -> pa.DataType:
     return storage.parquet_file(parts[0].url).schema_arrow.field("id").type
 
 
-def _refuse_duplicates(idmap: IdMap, info: SetInfo, out: str) -> None:
+def _refuse_duplicates(idmap: IdMap, info: SetMeta, out: str) -> None:
     repeated = idmap.duplicates()
     if repeated:
         raise StorageError(
@@ -216,7 +217,7 @@ def _refuse_duplicates(idmap: IdMap, info: SetInfo, out: str) -> None:
         )
 
 
-def _meta(req: IndexRequest, info: SetInfo, budget: int, estimate: int, handle: IndexHandle,
+def _meta(req: IndexRequest, info: SetMeta, budget: int, estimate: int, handle: IndexHandle,
           previous: store.IndexMeta | None, started: float, kind: str, factory: str,
           mode: str) -> store.IndexMeta:
     token = store.new_token()
@@ -235,17 +236,17 @@ def _meta(req: IndexRequest, info: SetInfo, budget: int, estimate: int, handle: 
 # ---- catch-up ------------------------------------------------------------------------------
 
 
-def _catch_up(req: IndexRequest, info: SetInfo, budget: int, current: store.IndexMeta,
-              changes: list[dict], say: Callable[[str], None]
+def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.IndexMeta,
+              changes: list[SetChanges], say: Callable[[str], None]
               ) -> tuple[store.IndexMeta | None, str]:
     """Apply changes to the current index; (None, why) when a full build is the better path."""
     started = time.perf_counter()
     index, idmap = store.load(req.out, current)
-    set_dir = setdata.set_url(req.out, info.name)
-    names = sorted({name for change in changes for name in change["parts"]})
-    deleted = [i for change in changes for i in change["deleted_ids"]]
-    touched = [setdata.open_part(storage.join(set_dir, n), info.dim) for n in names
-               if storage.exists(storage.join(set_dir, n))]
+    folder = SetFolder(req.out, info.name)
+    names = sorted({name for change in changes for name in change.parts})
+    deleted = [i for change in changes for i in change.deleted_ids]
+    touched = [setdata.open_part(folder.url_of(n), info.dim) for n in names
+               if storage.exists(folder.url_of(n))]
     drop = [pa.array(deleted, idmap.ids.type)] if deleted else []
     drop += [setdata.read_ids(p.url) for p in touched]
     dropped = idmap.drop_ids(pa.concat_arrays([d.cast(idmap.ids.type) for d in drop])
@@ -257,7 +258,7 @@ def _catch_up(req: IndexRequest, info: SetInfo, budget: int, current: store.Inde
         index.add_with_ids(vectors, labels)
         idmap.append(labels, ids)
         added += len(ids)
-    parts = setdata.list_parts(req.out, info)
+    parts = setdata.list_parts(SetFolder(req.out, info.name), info.dim)
     expected = sum(p.rows for p in parts)
     if len(idmap) != expected:
         return None, f"catch-up left {len(idmap):,} rows but the set has {expected:,}"
@@ -283,7 +284,7 @@ def _catch_up(req: IndexRequest, info: SetInfo, budget: int, current: store.Inde
     return meta, f"+{added:,} -{len(dropped):,} rows"
 
 
-def _exact_truth(parts: list[Part], info: SetInfo, queries: np.ndarray, idmap: IdMap,
+def _exact_truth(parts: list[Part], info: SetMeta, queries: np.ndarray, idmap: IdMap,
                  batch_rows: int) -> np.ndarray:
     """Exact top-10 labels of ``queries`` over the set's current rows."""
     exact = ExactTopK(queries, 10, info.metric)

@@ -1,8 +1,8 @@
-"""Reading a set for indexing: its ``_SET.json`` and its parts, streamed in batches.
+"""Reading a set's parts for indexing, streamed in batches.
 
-Only the on-disk contract is used (``OUT/sets/<set>/part-*.parquet`` with ``id`` and
-``embedding``; ``_SET.json``; ``_changes/<generation>.json``), so the index never depends on
-how the embed flow wrote them. Vectors are read one row group at a time.
+Where the parts are and what ``_SET.json`` and ``_changes`` say comes from
+``pipeline.sets.SetFolder`` (the one reader of a set's files); this module reads the parts'
+vectors, one row group at a time, and checks their shape against the set's dimension.
 """
 
 from __future__ import annotations
@@ -12,34 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline import storage
 from pipeline.errors import FingerprintError, StorageError
-from pipeline.sets import list_sets
-
-
-class SetInfo(BaseModel):
-    """The fields of ``_SET.json`` that indexing and search rely on."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-    fingerprint: str
-    dim: int
-    normalize: bool
-    encoder: dict
-    pooler: dict
-    model: str = ""
-    generation: int = 0
-    id_type: str | None = None
-    corpus: str | None = None  # where the texts are, for snippets (if the embed flow records it)
-    id_column: str = "id"
-    text_column: str = "text"
-
-    @property
-    def metric(self) -> str:
-        return "ip" if self.normalize else "l2"
+from pipeline.sets import SetFolder
 
 
 @dataclass(frozen=True)
@@ -50,33 +26,9 @@ class Part:
     groups: tuple[int, ...]  # rows per row group
 
 
-def set_url(out: str, name: str) -> str:
-    return storage.join(out, "sets", name)
-
-
-def read_set(out: str, name: str) -> SetInfo:
-    url = storage.join(set_url(out, name), "_SET.json")
-    if not storage.exists(url):
-        known = list_sets(out)
-        raise StorageError(
-            f"no set {name!r} under {storage.join(out, 'sets')} (sets there: "
-            f"{', '.join(known) if known else 'none'})"
-        )
-    try:
-        return SetInfo.model_validate(storage.read_json(url))
-    except ValidationError as exc:
-        raise StorageError(f"{url} is not a set description: {exc.errors()[0]['msg']}") from None
-
-
-def list_parts(out: str, info: SetInfo) -> list[Part]:
+def list_parts(folder: SetFolder, dim: int) -> list[Part]:
     """The set's parts, with their row counts, checked against the set's dimension."""
-    parts = []
-    for url in storage.list_files(set_url(out, info.name), ".parquet"):
-        name = url.rsplit("/", 1)[-1]
-        if not name.startswith("part-"):
-            continue
-        parts.append(open_part(url, info.dim))
-    return parts
+    return [open_part(url, dim) for url in folder.part_urls()]
 
 
 def open_part(url: str, dim: int) -> Part:
@@ -142,16 +94,3 @@ def gather(parts: list[Part], dim: int, positions: np.ndarray) -> tuple[pa.Array
 def read_ids(url: str) -> pa.Array:
     """The id column of one part."""
     return storage.read_parquet(url, columns=["id"]).column("id").combine_chunks()
-
-
-def read_changes(out: str, name: str, generation: int) -> dict | None:
-    """``_changes/<generation>.json``, or None when that run left no changes file."""
-    url = storage.join(set_url(out, name), "_changes", f"{generation:06d}.json")
-    if not storage.exists(url):
-        return None
-    payload = storage.read_json(url)
-    if not isinstance(payload.get("parts"), list) or not isinstance(
-        payload.get("deleted_ids"), list
-    ):
-        raise StorageError(f"{url} needs lists 'parts' and 'deleted_ids'")
-    return payload

@@ -1,0 +1,407 @@
+"""One writer per OUT: a lease in ``OUT/_LEASE.json`` that writers take, renew and release.
+
+``embed``, ``backfill``, the nightly run and ``index`` hold it while they write; readers never
+need it. A second writer fails at once with one line naming the holder (host, pid, command,
+since when), or, when asked, waits for it. A holder that dies stops renewing, and its lease
+expires ``ttl`` seconds after its last renewal (``EMBEDPIPE_LEASE_TTL``, default 60); the next
+writer takes it over. Because every shard is marked done only after its parts, the taker
+redoes only the shards that the dead holder did not finish.
+
+Every change of the lease is a compare-and-swap on the version the changer last read, so two
+writers can never both believe they took it:
+
+- local OUT: the swap runs under an exclusive ``fcntl.flock`` on ``OUT/.lease.lock`` (the
+  version is the SHA-256 of the file's bytes; the file is replaced by an atomic rename);
+- ``s3://`` OUT: S3 conditional writes: ``PutObject`` with ``If-None-Match: *`` creates it,
+  ``If-Match: <ETag>`` renews, releases and takes it over (AWS S3 since 2024, MinIO, moto).
+
+A renewal that finds another holder marks the lease lost; ``check`` (called by the flows
+between shards and before ``finalize``) then raises ``LeaseLost``. The lease is re-entrant
+within one process (an embed flow that also indexes does not wait for itself) and released on
+exit, normal or not. Expiry compares the holder's last renewal time with the taker's clock:
+writers' clocks must agree to well within the TTL (NTP does this).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+from pydantic import BaseModel, ValidationError
+
+from pipeline import storage
+from pipeline.errors import ConfigError, EmbedpipeError, StorageError
+
+LEASE_FILE = "_LEASE.json"
+TTL_ENV = "EMBEDPIPE_LEASE_TTL"
+DEFAULT_TTL = 60.0
+
+
+class LeaseHeld(EmbedpipeError):
+    """Another live writer holds the OUT's lease."""
+
+
+class LeaseLost(EmbedpipeError):
+    """This writer's lease expired and was taken over: it must not finalize."""
+
+
+class Holder(BaseModel):
+    """The content of ``_LEASE.json``: who holds the lease, since when, until when."""
+
+    token: str  # unique per acquisition: tells this holder from a later one of the same pid
+    host: str
+    pid: int
+    command: str  # the flow: embed, backfill, nightly, index
+    argv: str = ""  # the holder's command line
+    since: float
+    renewed: float
+    ttl: float
+    renewals: int = 0  # makes every write unique (an S3 ETag is the MD5 of the content)
+    released: bool = False
+
+    def free(self, now: float) -> bool:
+        return self.released or now > self.renewed + self.ttl
+
+    def describe(self, now: float) -> str:
+        since = datetime.fromtimestamp(self.since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        argv = f" `{_plain(self.argv, 500)}`" if self.argv else ""
+        return (f"{_plain(self.command, 40)!r}{argv} (pid {self.pid} on "
+                f"{_plain(self.host, 100)}, since {since}, renewed "
+                f"{max(0.0, now - self.renewed):.0f}s ago)")
+
+    def encode(self) -> bytes:
+        return self.model_dump_json(indent=2).encode()
+
+
+def _plain(text: str, limit: int) -> str:
+    """``text`` read from the lease file, on one line of printable characters."""
+    return "".join(c for c in " ".join(text.split()) if c.isprintable())[:limit]
+
+
+def lease_ttl() -> float:
+    """Seconds a lease lives after its last renewal (``EMBEDPIPE_LEASE_TTL``, default 60)."""
+    raw = os.environ.get(TTL_ENV)
+    if not raw:
+        return DEFAULT_TTL
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = 0.0
+    if not 0.5 <= ttl <= 86_400:
+        raise ConfigError(f"{TTL_ENV}={raw!r}: expected seconds between 0.5 and 86400")
+    return ttl
+
+
+# ---- where the lease lives: a compare-and-swap store per backend ---------------------------
+
+
+class _Store(Protocol):
+    url: str
+
+    def read(self) -> tuple[bytes | None, str | None]: ...
+    def create(self, data: bytes) -> str | None: ...
+    def replace(self, data: bytes, version: str) -> str | None: ...
+    def remove(self, version: str) -> None: ...
+
+
+class _LocalStore:
+    """A local file; every swap under an exclusive flock on a hidden side file."""
+
+    def __init__(self, out: str) -> None:
+        root = out.removeprefix("file://")
+        self.url = os.path.join(root, LEASE_FILE)
+        self._guard = os.path.join(root, ".lease.lock")
+        with storage.explained(root, "create"):
+            os.makedirs(root, exist_ok=True)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with storage.explained(self._guard, "lock"):
+            fd = os.open(self._guard, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def read(self) -> tuple[bytes | None, str | None]:
+        try:
+            with open(self.url, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return None, None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def create(self, data: bytes) -> str | None:
+        with self._locked():
+            if os.path.exists(self.url):
+                return None
+            storage.write_bytes(self.url, data)
+        return hashlib.sha256(data).hexdigest()
+
+    def replace(self, data: bytes, version: str) -> str | None:
+        with self._locked():
+            if self.read()[1] != version:
+                return None
+            storage.write_bytes(self.url, data)
+        return hashlib.sha256(data).hexdigest()
+
+    def remove(self, version: str) -> None:
+        with self._locked(), storage.explained(self.url, "remove"):
+            if self.read()[1] == version:
+                os.remove(self.url)
+
+
+class _S3Store:
+    """An S3 object, changed only by conditional PUTs (the ETag is the version)."""
+
+    def __init__(self, out: str) -> None:
+        self.url = storage.join(out, LEASE_FILE)
+        self._fs, path = storage.filesystem(self.url)
+        self._bucket, _, self._key = path.partition("/")
+
+    def read(self) -> tuple[bytes | None, str | None]:
+        from fsspec.asyn import sync
+
+        async def get() -> tuple[bytes, str]:
+            response = await self._fs._call_s3("get_object", Bucket=self._bucket, Key=self._key)
+            body = response["Body"]
+            try:
+                return await body.read(), response["ETag"]
+            finally:
+                body.close()
+
+        with storage.explained(self.url, "read"):
+            try:
+                return sync(self._fs.loop, get)
+            except FileNotFoundError:  # no lease yet (a missing bucket fails on the write)
+                return None, None
+
+    def _put(self, data: bytes, **condition: str) -> str | None:
+        with storage.explained(self.url, "write"):
+            try:
+                response = self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key,
+                                            Body=data, **condition)
+            except Exception as exc:  # s3fs turns a refused condition into an OSError
+                if _conflict(exc):
+                    return None
+                raise
+        return response["ETag"]
+
+    def create(self, data: bytes) -> str | None:
+        return self._put(data, IfNoneMatch="*")
+
+    def replace(self, data: bytes, version: str) -> str | None:
+        return self._put(data, IfMatch=version)
+
+    def remove(self, version: str) -> None:
+        with storage.explained(self.url, "remove"):
+            try:
+                self._fs.call_s3("delete_object", Bucket=self._bucket, Key=self._key,
+                                 IfMatch=version)
+            except Exception as exc:
+                if not _conflict(exc):
+                    raise
+
+
+def _conflict(exc: BaseException) -> bool:
+    """True when a conditional write was refused: the object is not the one we read."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409") \
+                or status in (409, 412)
+        if isinstance(seen, FileExistsError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _store(out: str) -> _Store:
+    if storage.is_s3(out):
+        return _S3Store(out)
+    if storage.is_remote(out):
+        raise StorageError(f"cannot take a writer lease on {out}: only local paths and s3://")
+    return _LocalStore(out)
+
+
+# ---- the lease -----------------------------------------------------------------------------
+
+
+@dataclass
+class WriterLease:
+    """This process's hold on one OUT's lease: taken, renewed in the background, released."""
+
+    out: str
+    command: str
+    ttl: float = field(default_factory=lease_ttl)
+    _store: _Store = field(init=False)
+    _me: Holder = field(init=False)
+    _version: str | None = field(init=False, default=None)
+    _lost: str | None = field(init=False, default=None)
+    _users: int = field(init=False, default=0)
+    _stop: threading.Event = field(init=False, default_factory=threading.Event)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    _thread: threading.Thread | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._store = _store(self.out)
+        now = time.time()
+        self._me = Holder(token=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(),
+                          command=self.command, argv=_command_line(), since=now, renewed=now,
+                          ttl=self.ttl)
+
+    @property
+    def url(self) -> str:
+        return self._store.url
+
+    def _current(self) -> tuple[Holder | None, str | None]:
+        data, version = self._store.read()
+        if data is None:
+            return None, None
+        try:
+            return Holder.model_validate_json(data), version
+        except ValidationError:
+            raise StorageError(
+                f"{self.url} is not a writer lease; if no embedpipe writer is running on this "
+                "OUT, remove it"
+            ) from None
+
+    def acquire(self, wait: float = 0.0) -> None:
+        """Take the lease, waiting up to ``wait`` seconds for a live holder to finish."""
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            holder, version = self._current()
+            now = time.time()
+            if holder is None or holder.free(now):
+                self._me = self._me.model_copy(update={"since": now, "renewed": now})
+                data = self._me.encode()
+                got = (self._store.create(data) if version is None
+                       else self._store.replace(data, version))
+                if got is not None:
+                    self._version = got
+                    self._start_renewing()
+                    return
+                continue  # another writer swapped first: look again
+            if time.monotonic() >= deadline:
+                hint = ("" if wait else "; wait for it (lease_wait) or, if it is gone, "
+                        f"retry after its lease expires ({holder.ttl:.0f}s after its last renewal)")
+                raise LeaseHeld(f"{self.out} is being written by {holder.describe(now)}{hint}")
+            time.sleep(min(1.0, self.ttl / 6, max(0.05, deadline - time.monotonic())))
+
+    def renew(self) -> bool:
+        """Extend the lease; False (and the lease marked lost) when another writer holds it."""
+        with self._lock:
+            if self._lost is not None or self._version is None:
+                return False
+            now = time.time()
+            me = self._me.model_copy(update={"renewed": now, "renewals": self._me.renewals + 1})
+            got = self._store.replace(me.encode(), self._version)
+            if got is None:  # changed since we wrote it: ours (a lost response) or another's
+                holder, version = self._current()
+                if holder is not None and holder.token == self._me.token and not holder.released:
+                    self._me, self._version = holder, version
+                    return True
+                self._lost = holder.describe(now) if holder else "nobody (the lease was removed)"
+                return False
+            self._me, self._version = me, got
+            return True
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` when the lease was taken over (call before any finalizing)."""
+        if self._lost is None and time.time() > self._me.renewed + self.ttl:
+            self.renew()  # the renewer could not reach the store in time: try once more
+            if time.time() > self._me.renewed + self.ttl:
+                self._lost = self._lost or "nobody we know of (renewals failed past the TTL)"
+        if self._lost is not None:
+            raise LeaseLost(
+                f"this {self.command} lost the writer lease on {self.out} to {self._lost}; "
+                "it stopped before finalizing: rerun to resume"
+            )
+
+    def release(self) -> None:
+        """Stop renewing and free the lease (if still ours) for the next writer at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            if self._lost is None and self._version is not None:
+                done = self._me.model_copy(update={"released": True, "renewed": time.time()})
+                try:
+                    self._store.replace(done.encode(), self._version)
+                except StorageError:  # e.g. a full disk: removing needs no space
+                    with suppress(StorageError):  # unreachable: it expires after its TTL
+                        self._store.remove(self._version)
+            self._version = None
+
+    def _start_renewing(self) -> None:
+        self._thread = threading.Thread(target=self._renew_loop, daemon=True,
+                                        name=f"lease-renewer {self.out}")
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                if not self.renew():
+                    return
+            except StorageError:
+                continue  # transient: ``check`` notices if it lasts past the TTL
+
+
+_held: dict[str, WriterLease] = {}
+_held_lock = threading.Lock()
+
+
+def _key(out: str) -> str:
+    return out.rstrip("/")
+
+
+@contextmanager
+def writer_lease(out: str, command: str, wait: float = 0.0) -> Iterator[WriterLease]:
+    """Hold OUT's writer lease for the block; re-entrant within this process."""
+    key = _key(out)
+    with _held_lock:
+        lease = _held.get(key)
+        if lease is None:
+            lease = WriterLease(out, command)
+            lease.acquire(wait)
+            _held[key] = lease
+        lease._users += 1
+    try:
+        yield lease
+    finally:
+        with _held_lock:
+            lease._users -= 1
+            if lease._users == 0:
+                del _held[key]
+                lease.release()
+
+
+def check_held(out: str) -> None:
+    """Raise ``LeaseLost`` if this process's lease on OUT was taken over (no-op if none held)."""
+    lease = _held.get(_key(out))
+    if lease is not None:
+        lease.check()
+
+
+def _command_line() -> str:
+    """This process's command line as typed (``python -m flows.cli embed …``), program
+    shortened to its file name."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if argv:
+        argv[0] = os.path.basename(argv[0])
+    return " ".join(argv)[:500]

@@ -1,0 +1,214 @@
+"""The writer lease of an OUT, with real processes, on a local folder and on a real S3 API
+server: one holder at a time, a refusal naming the holder, expiry of a dead holder, loss
+detected by a holder that was paused past its TTL, re-entrancy and release."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import storage
+from pipeline.errors import ConfigError, StorageError
+from pipeline.lease import LEASE_FILE, LeaseHeld, WriterLease, lease_ttl, writer_lease
+
+REPO = Path(__file__).resolve().parents[1]
+TTL = 2.0
+
+
+@pytest.fixture(params=["local", "s3"])
+def out(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "out")
+    bucket = request.getfixturevalue("s3_bucket")
+    return f"s3://{bucket}/out"
+
+
+@pytest.fixture(autouse=True)
+def short_ttl(monkeypatch):
+    monkeypatch.setenv("EMBEDPIPE_LEASE_TTL", str(TTL))
+
+
+def child(code: str, **kw) -> subprocess.Popen:
+    """A Python process running ``code`` (with ``from pipeline.lease import *`` done)."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    source = "import os, sys, time, json\nfrom pipeline.lease import *\n" + textwrap.dedent(code)
+    return subprocess.Popen([sys.executable, "-c", source], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def holder(out: str) -> dict:
+    return json.loads(storage.read_bytes(storage.join(out, LEASE_FILE)))
+
+
+def test_a_second_writer_is_refused_naming_the_holder_until_it_releases(out):
+    with writer_lease(out, "embed"):
+        proc = child(f"""
+            try:
+                with writer_lease({out!r}, "index"):
+                    print("TOOK IT")
+            except LeaseHeld as exc:
+                print(exc, file=sys.stderr)
+                sys.exit(3)
+        """)
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 3, stderr
+        line = stderr.strip()
+        assert "\n" not in line and "TOOK IT" not in stdout
+        assert f"{out} is being written by 'embed'" in line
+        assert f"pid {os.getpid()} on {os.uname().nodename}" in line and " since 20" in line
+        assert "UTC" in line and "test_lease" in line  # the holder's command line
+    proc = child(f"""
+        with writer_lease({out!r}, "index"):
+            print("TOOK IT")
+    """)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "TOOK IT" in stdout, stderr
+    assert holder(out)["released"] is True and holder(out)["command"] == "index"
+
+
+def test_the_lease_is_renewed_while_held_and_reentrant(out):
+    with writer_lease(out, "embed") as outer:
+        first = holder(out)
+        with writer_lease(out, "index") as inner:  # an embed flow that also indexes
+            assert inner is outer
+        assert holder(out)["released"] is False  # the inner exit did not release it
+        time.sleep(TTL * 1.5)
+        renewed = holder(out)
+        assert renewed["token"] == first["token"] and renewed["renewals"] >= 1
+        assert renewed["renewed"] > first["renewed"]
+        with pytest.raises(LeaseHeld):  # still held: the renewals kept it alive past its TTL
+            WriterLease(out, "other").acquire()
+    assert holder(out)["released"] is True
+
+
+def test_the_lease_is_released_when_the_block_raises(out):
+    with pytest.raises(RuntimeError), writer_lease(out, "embed"):
+        raise RuntimeError("boom")
+    lease = WriterLease(out, "next")
+    lease.acquire()  # at once, no expiry needed
+    lease.release()
+
+
+def test_writers_in_many_processes_never_overlap(out, tmp_path):
+    """Four processes take the lease three times each, waiting for it: no two holds overlap."""
+    logs = tmp_path / "holds"
+    logs.mkdir()
+    procs = [child(f"""
+        for round in range(3):
+            with writer_lease({out!r}, "w{n}", wait=120):
+                start = time.time()
+                time.sleep(0.3)
+                with open({str(logs / f"{n}.jsonl")!r}, "a") as fh:
+                    fh.write(json.dumps([start, time.time()]) + "\\n")
+    """) for n in range(4)]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+    holds = sorted(json.loads(line) for f in logs.iterdir() for line in f.read_text().splitlines())
+    assert len(holds) == 12
+    for (_, end), (start, _) in zip(holds, holds[1:], strict=False):
+        assert end <= start, f"two writers held the lease at once: {holds}"
+
+
+def test_a_dead_holder_expires_and_is_taken_over(out):
+    proc = child(f"""
+        import signal
+        lease = WriterLease({out!r}, "embed")
+        lease.acquire()
+        print(os.getpid(), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing is released
+    """)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    dead = int(stdout.split()[0])
+    with pytest.raises(LeaseHeld, match=f"pid {dead} on"):
+        WriterLease(out, "embed").acquire()  # not yet expired
+    started = time.monotonic()
+    with writer_lease(out, "embed", wait=TTL * 10):
+        took = holder(out)
+    assert took["pid"] == os.getpid() and took["released"] is False
+    assert time.monotonic() - started <= TTL * 10
+
+
+def test_a_holder_paused_past_its_ttl_finds_its_lease_lost(out):
+    """SIGSTOP the holder past its TTL, take over, SIGCONT it: its renewal finds the new holder,
+    ``check`` raises, and it never overwrites the taker's lease."""
+    proc = child(f"""
+        with writer_lease({out!r}, "embed") as lease:
+            print("HELD", flush=True)
+            for _ in range(300):
+                time.sleep(0.1)
+                try:
+                    lease.check()
+                except LeaseLost as exc:
+                    print(exc, file=sys.stderr)
+                    sys.exit(3)
+        sys.exit(0)
+    """)
+    assert proc.stdout.readline().strip() == "HELD"
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        with writer_lease(out, "backfill", wait=TTL * 10):
+            mine = holder(out)["token"]
+            os.kill(proc.pid, signal.SIGCONT)
+            _, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 3, stderr
+            line = stderr.strip()
+            assert "\n" not in line and "lost the writer lease" in line
+            assert "'backfill'" in line and f"pid {os.getpid()}" in line
+            assert "stopped before finalizing" in line
+            assert holder(out)["token"] == mine  # the paused holder wrote nothing over it
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+def test_a_file_that_is_not_a_lease_is_one_line_and_left_alone(out):
+    url = storage.join(out, LEASE_FILE)
+    storage.write_bytes(url, b'{"host": "../../x"}')
+    with pytest.raises(StorageError, match="is not a writer lease; if no embedpipe writer"):
+        WriterLease(out, "embed").acquire()
+    assert storage.read_bytes(url) == b'{"host": "../../x"}'
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "1e9"])
+def test_a_bad_ttl_is_one_line(monkeypatch, raw):
+    monkeypatch.setenv("EMBEDPIPE_LEASE_TTL", raw)
+    with pytest.raises(ConfigError, match="EMBEDPIPE_LEASE_TTL"):
+        lease_ttl()
+
+
+def test_the_ttl_can_come_from_the_settings_file(tmp_path, monkeypatch):
+    from pipeline.settings import CONFIG_ENV, load_settings
+
+    monkeypatch.delenv("EMBEDPIPE_LEASE_TTL")
+    config = tmp_path / "embedpipe.toml"
+    config.write_text("lease_ttl = 7.5\n")
+    monkeypatch.setenv(CONFIG_ENV, str(config))
+    load_settings().export_env()
+    assert lease_ttl() == 7.5
+    config.write_text("lease_ttl = 0.1\n")
+    monkeypatch.delenv("EMBEDPIPE_LEASE_TTL")
+    with pytest.raises(ConfigError, match="lease_ttl"):
+        load_settings()
+
+
+def test_a_hostile_holder_record_still_gives_one_printable_line(out):
+    now = time.time()
+    record = {"token": "t", "host": "h\n\x1b[31mred", "pid": 1, "command": "embed\nrm -rf /",
+              "argv": "python -c\nimport os", "since": now, "renewed": now, "ttl": 600}
+    storage.write_bytes(storage.join(out, LEASE_FILE), json.dumps(record).encode())
+    with pytest.raises(LeaseHeld) as caught:
+        WriterLease(out, "embed").acquire()
+    line = str(caught.value)
+    assert "\n" not in line and "\x1b" not in line and "`python -c import os`" in line

@@ -1,0 +1,109 @@
+"""Tampered set files cannot reach outside OUT: `index` and `embed` fail with one line and a
+sentinel folder next to OUT, which each traversal name points into, is left untouched.
+
+Attacks: a ``_SET.json`` whose ``name`` is ``../../x`` (the index would be written to
+``OUT/index/../../x``); done markers whose shard ids are ``../../evil`` and
+``../../../../sentinel/evil`` (a run retiring them would read and delete ``_hashes/<id>`` and
+``_done/<id>``); a ``_changes`` file naming ``../x.parquet`` and a part in the sentinel folder
+(an index catch-up would add that file's vectors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _flowkit import job, out_digest, run_library, text_for, tree_digest, write_corpus
+
+from flows.cli import main
+
+ROWS = 40
+
+
+@pytest.fixture
+def site(tmp_path, tiny_model_dir) -> dict:
+    """OUT with a real set, a corpus, and sentinel folders where the traversals point."""
+    corpus = write_corpus(tmp_path / "c.parquet", list(range(ROWS)),
+                          [text_for(i) for i in range(ROWS)])
+    out = tmp_path / "out"
+    run_library(job(corpus, out, tiny_model_dir))
+    for folder in ("x", "sentinel"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "keep.txt").write_text("untouched")
+    flat = pa.array(np.ones(ROWS * 32, np.float32))
+    foreign = pa.table({"id": pa.array(range(1000, 1000 + ROWS)),
+                        "embedding": pa.FixedSizeListArray.from_arrays(flat, 32)})
+    for name in ("evil.parquet", "x.parquet"):
+        pq.write_table(foreign, tmp_path / "sentinel" / name)
+    (tmp_path / "sentinel" / "evil.json").write_text("{}")
+    return {"tmp": tmp_path, "out": out, "corpus": corpus, "model": tiny_model_dir}
+
+
+def outside(site: dict) -> dict[str, str]:
+    """Digest of everything next to OUT (the sentinels, the corpus)."""
+    return {k: v for k, v in tree_digest(site["tmp"]).items() if not k.startswith("out/")}
+
+
+def one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"embedpipe {command}: error: "), err
+    return err
+
+
+def embed_args(site: dict) -> list[str]:
+    return ["embed", str(site["corpus"]), str(site["out"]), "--model", str(site["model"]),
+            "--device", "cpu", "--dtype", "fp32", "--rows-per-shard", "10"]
+
+
+def test_a_set_json_naming_another_set_is_refused(site, capsys, prefect_api):
+    meta_path = site["out"] / "sets" / "mean" / "_SET.json"
+    meta_path.write_text(json.dumps(json.loads(meta_path.read_text()) | {"name": "../../x"}))
+    before, inside = outside(site), out_digest(site["out"])
+    for args, command in ((["index", str(site["out"]), "--set", "mean"], "index"),
+                          (["index", str(site["out"])], "index"),
+                          (embed_args(site), "embed")):
+        assert main(args) == 1
+        err = one_line_error(capsys, command)
+        assert "names set '../../x', not 'mean'" in err
+    assert outside(site) == before
+    assert out_digest(site["out"]) == inside and not (site["out"] / "index").exists()
+
+
+@pytest.mark.parametrize("shard", ["../../evil", "../../../../sentinel/evil"])
+def test_a_marker_with_a_traversal_shard_id_is_refused(site, capsys, prefect_api, shard):
+    done = site["out"] / "sets" / "mean" / "_done"
+    marker = json.loads(next(done.glob("*.json")).read_text()) | {"shard": shard}
+    (done / "tampered.json").write_text(json.dumps(marker))
+    before, inside = outside(site), out_digest(site["out"])
+    assert main(embed_args(site)) == 1
+    assert f"invalid file name '{shard}'" in one_line_error(capsys, "embed")
+    assert outside(site) == before
+    assert out_digest(site["out"]) == inside
+
+
+@pytest.mark.parametrize("part", ["../x.parquet", "../../../sentinel/x.parquet"])
+def test_a_changes_file_naming_a_file_outside_the_set_is_refused(site, capsys, prefect_api,
+                                                                 part):
+    assert main(["index", str(site["out"]), "--memory-budget", "1GB"]) == 0
+    capsys.readouterr()
+    folder = site["out"] / "sets" / "mean"
+    meta = json.loads((folder / "_SET.json").read_text())
+    (folder / "_SET.json").write_text(json.dumps(meta | {"generation": 2}))
+    body = {"generation": 2, "parts": [part], "deleted_ids": []}
+    (folder / "_changes" / "000002.json").write_text(json.dumps(body))
+    before, index = outside(site), tree_digest(site["out"] / "index")
+    assert main(["index", str(site["out"])]) == 1
+    assert f"invalid file name '{part}'" in one_line_error(capsys, "index")
+    assert outside(site) == before and tree_digest(site["out"] / "index") == index
+
+
+def test_sentinels_are_really_where_the_traversals_point(site):
+    """The attacks above aim at real files: each traversal, resolved, lands on a sentinel."""
+    out: Path = site["out"]
+    assert (out / "index" / "../../x").resolve() == site["tmp"] / "x"
+    hashes = out / "sets" / "mean" / "_hashes" / "../../../../sentinel/evil.parquet"
+    assert hashes.resolve() == site["tmp"] / "sentinel" / "evil.parquet"
+    assert (out / "sets" / "mean" / "../../../sentinel/x.parquet").resolve().exists()
