@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -12,17 +14,25 @@ from pipeline.index.plan import parse_bytes
 @task(name="index-set", task_run_name="index {set_name}", cache_policy=NO_CACHE,
       persist_result=False)
 def index_set_task(out: str, set_name: str, kind: str, memory_budget: str,
-                   rebuild: bool) -> dict:
+                   rebuild: bool, progress: bool = False) -> dict:
     req = IndexRequest(out=out, set_name=set_name, kind=kind, memory_budget=memory_budget,
                        rebuild=rebuild)
-    result = index_set(req, say=get_run_logger().info)
-    get_run_logger().info(result.summary())
+    logger = get_run_logger()
+
+    def say(msg: str) -> None:
+        logger.info(msg)
+        if progress:
+            print(f"embedpipe: {msg.strip()}", file=sys.stderr, flush=True)
+
+    result = index_set(req, say=say)
+    logger.info(result.summary())
     return result.model_dump(mode="json")
 
 
 @flow(name="index", log_prints=True)
 def index_flow(out: str, set_name: str | None = None, kind: str = "auto",
-               memory_budget: str = "4GB", rebuild: bool = False) -> list[dict]:
+               memory_budget: str = "4GB", rebuild: bool = False,
+               progress: bool = False) -> list[dict]:
     """Index one set, or every set under OUT; returns each set's IndexResult as JSON."""
     parse_bytes(memory_budget)  # a bad budget fails before any work
     names = [set_name] if set_name else list_sets(out)
@@ -30,4 +40,4 @@ def index_flow(out: str, set_name: str | None = None, kind: str = "auto",
         from pipeline.errors import StorageError
 
         raise StorageError(f"no sets under {out}/sets to index; run `embedpipe embed` first")
-    return [index_set_task(out, n, kind, memory_budget, rebuild) for n in names]
+    return [index_set_task(out, n, kind, memory_budget, rebuild, progress) for n in names]

@@ -15,7 +15,15 @@ from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.errors import FingerprintError, StorageError
-from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta, read_set
+from pipeline.index import (
+    IndexMeta,
+    SetInfo,
+    index_url,
+    list_sets,
+    open_index,
+    read_meta,
+    read_set,
+)
 from pipeline.snippets import SnippetStore
 
 
@@ -40,6 +48,31 @@ def pick_set(out: str, name: str | None) -> str:
     raise StorageError(f"{out} has several indexed sets ({', '.join(indexed)}): pass --set NAME")
 
 
+class QueryEncoder:
+    """A set's own model and pooler, checked against the set's fingerprint, for queries."""
+
+    def __init__(self, info: SetInfo, device: str | None = None) -> None:
+        from pipeline.embedder import get_embedder
+
+        self.info = info
+        encoder = EncoderConfig(**info.encoder)
+        if device:
+            encoder = encoder.model_copy(update={"device": device})
+        spec = PoolerSpec(**info.pooler)
+        self.embedder = get_embedder(encoder, [spec])
+        made = self.embedder.fingerprint(spec.name)
+        if made != info.fingerprint:
+            raise FingerprintError(
+                f"set {info.name!r} was made with fingerprint {info.fingerprint} but its "
+                f"model and pooler load as {made} now (model files changed?); re-embed the set"
+            )
+        self._lock = threading.Lock()
+
+    def encode(self, queries: list[str]) -> np.ndarray:
+        with self._lock:  # one forward pass at a time per model
+            return self.embedder.encode(queries, self.info.pooler.get("name"))
+
+
 class Searcher:
     """One set, loaded once: embedder, index, id map and (if known) the corpus for snippets."""
 
@@ -56,12 +89,12 @@ class Searcher:
             )
         self.meta: IndexMeta = meta
         self._check_index()
-        self.embedder = self._embedder(device)
+        self.queries = QueryEncoder(self.set, device)
+        self.embedder = self.queries.embedder
         self.handle = open_index(out, meta)
         corpus = corpus or self.set.corpus
         self.snippets = (SnippetStore(corpus, self.set.id_column, self.set.text_column)
                          if corpus else None)
-        self._lock = threading.Lock()
 
     def _check_index(self) -> None:
         if self.meta.fingerprint != self.set.fingerprint or self.meta.dim != self.set.dim:
@@ -72,30 +105,13 @@ class Searcher:
                 f"`embedpipe index {self.out} --set {self.name} --rebuild`"
             )
 
-    def _embedder(self, device: str | None):
-        from pipeline.embedder import get_embedder
-
-        encoder = EncoderConfig(**self.set.encoder)
-        if device:
-            encoder = encoder.model_copy(update={"device": device})
-        spec = PoolerSpec(**self.set.pooler)
-        embedder = get_embedder(encoder, [spec])
-        made = embedder.fingerprint(spec.name)
-        if made != self.set.fingerprint:
-            raise FingerprintError(
-                f"set {self.name!r} was made with fingerprint {self.set.fingerprint} but its "
-                f"model and pooler load as {made} now (model files changed?); re-embed the set"
-            )
-        return embedder
-
     @property
     def stale(self) -> bool:
         """The set has changed since the index was built (run `embedpipe index` to catch up)."""
         return read_set(self.out, self.name).generation > self.meta.generation
 
     def encode(self, queries: list[str]) -> np.ndarray:
-        with self._lock:  # one forward pass at a time per model
-            return self.embedder.encode(queries, self.set.pooler.get("name"))
+        return self.queries.encode(queries)
 
     def search(self, queries: list[str], k: int = 10,
                snippets: bool = True) -> list[list[Hit]]:
