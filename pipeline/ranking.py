@@ -33,6 +33,7 @@ def found_frame(rankings: Sequence[Sequence], queries: Sequence | None = None) -
 
 def ranks_of(found: pl.DataFrame, relevant: pl.DataFrame) -> pl.DataFrame:
     """Each relevant (query, doc) with the rank the search gave it (null: not returned)."""
+    found = found.with_columns(pl.col("doc").cast(relevant.schema["doc"]))  # e.g. none found
     best = found.group_by("query", "doc").agg(pl.col("rank").min())
     return relevant.join(best, on=["query", "doc"], how="left")
 
