@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,9 +22,9 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from pipeline import storage
+from pipeline.config import HeadKind
 from pipeline.errors import ConfigError
 
-HeadKind = Literal["attention", "positional", "layer_weights", "adapter"]
 HEAD_JSON = "head.json"
 HEAD_WEIGHTS = "head.safetensors"
 
