@@ -89,6 +89,21 @@ def _flow_run_parents(name: str) -> list:
     return parents
 
 
+def _latest_summary_artifact() -> dict:
+    """The table row of the newest ``embed-summary`` artifact on the Prefect API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["embed-summary"])),
+            sort=ArtifactSort.CREATED_DESC, limit=1)
+    data = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    (row,) = data
+    return row
+
+
 @pytest.mark.slow
 def test_python_api_end_to_end(tmp_path, tiny_model_dir, prefect_api):
     corpus, out = tmp_path / "corpus", str(tmp_path / "out")
@@ -115,6 +130,9 @@ def test_python_api_end_to_end(tmp_path, tiny_model_dir, prefect_api):
     assert (meta.rows, meta.generation) == (22, read_set(out, "mean").generation)
     assert [h[0].id for h in embedpipe.search(out, new, k=1)] == [200, 201]
     assert "embed-and-index" in _flow_run_parents("nightly")
+    assert _latest_summary_artifact() | {"seconds": 0, "docs/s": 0} == {
+        "sets": "mean", "rows": 22, "embedded": 2, "reused": 20, "removed": 0, "skipped": 0,
+        "shards run": "3/3", "seconds": 0, "docs/s": 0}
 
     # backfill names no model: it takes the encoder of the sets already in OUT
     backfilled = embedpipe.backfill(str(corpus), out, poolers=["cls"], rows_per_shard=10)
