@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -148,11 +149,15 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
     return summary.model_dump() | {"line": summary.line()}
 
 
-def phase_printer(progress: bool):
+def phase_printer(progress: bool) -> Callable[[str], None]:
     """Phases of a run on stderr, from the first second, when a terminal user is watching."""
-    if not progress:
-        return lambda _msg: None
-    return lambda msg: print(f"embedpipe: {msg}", file=sys.stderr, flush=True)
+
+    def say(msg: str) -> None:
+        if progress:  # not print(): a flow's log_prints would turn it into a log record
+            sys.stderr.write(f"embedpipe: {msg}\n")
+            sys.stderr.flush()
+
+    return say
 
 
 def _summary_artifact(summary) -> None:

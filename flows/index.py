@@ -21,8 +21,9 @@ def index_set_task(out: str, set_name: str, kind: str, memory_budget: str,
 
     def say(msg: str) -> None:
         logger.info(msg)
-        if progress:
-            print(f"embedpipe: {msg.strip()}", file=sys.stderr, flush=True)
+        if progress:  # not print(): the flow's log_prints would turn it into a log record
+            sys.stderr.write(f"embedpipe: {msg.strip()}\n")
+            sys.stderr.flush()
 
     result = index_set(req, say=say)
     logger.info(result.summary())
