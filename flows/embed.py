@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -17,7 +18,7 @@ from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
-from pipeline import sets
+from pipeline.assembly import inherit_encoder
 from pipeline.config import EmbedJob, parse
 from pipeline.errors import ConfigError, CorpusError, EmbedpipeError, FingerprintError, ModelError
 from pipeline.job import ShardRequest, ShardResult, embed_shard
@@ -128,8 +129,16 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
     settings = load_settings()  # EMBEDPIPE_* / EMBEDPIPE_CONFIG: defaults of this installation
     settings.export_env()
     spec = parse(EmbedJob, settings.apply_to_job(job), "embedding job")
+    say = phase_printer(progress)
+    say(f"scanning corpus {spec.corpus}")
+
+    def load_embedder():
+        say(f"loading model {spec.encoder.model or 'all-MiniLM-L6-v2 (packaged)'}")
+        return get_embedder(spec.encoder, spec.poolers)
+
     with writer_lease(spec.out, flow_run.flow_name or "embed", wait=spec.lease_wait) as lease:
-        plan = prepare(spec, lambda: get_embedder(spec.encoder, spec.poolers), verify=verify)
+        plan = prepare(spec, load_embedder, verify=verify)
+        say(f"{len(plan.requests)} of {len(plan.shards)} shards to run, {plan.rows_todo:,} rows")
         logger = get_run_logger()
         logger.info(
             "%d shards planned, %d already done, %d to run",
@@ -141,7 +150,32 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
         lease.check()
         summary = finalize(plan, results, time.perf_counter() - started)
     logger.info(summary.line())
+    _summary_artifact(summary)
     return summary.model_dump() | {"line": summary.line()}
+
+
+def phase_printer(progress: bool) -> Callable[[str], None]:
+    """Phases of a run on stderr, from the first second, when a terminal user is watching."""
+
+    def say(msg: str) -> None:
+        if progress:  # not print(): a flow's log_prints would turn it into a log record
+            sys.stderr.write(f"embedpipe: {msg}\n")
+            sys.stderr.flush()
+
+    return say
+
+
+def _summary_artifact(summary) -> None:
+    """The run's numbers as a table artifact in the Prefect UI."""
+    from prefect.artifacts import create_table_artifact
+
+    row = {"sets": ", ".join(summary.sets), "rows": summary.rows, "embedded": summary.embedded,
+           "reused": summary.reused, "removed": summary.removed,
+           "skipped": sum(summary.skipped.values()),
+           **{f"skipped {k}": v for k, v in sorted(summary.skipped.items())},
+           "shards run": f"{summary.shards_run}/{summary.shards}",
+           "seconds": round(summary.seconds, 2), "docs/s": round(summary.docs_per_s, 1)}
+    create_table_artifact(table=[row], key="embed-summary", description=summary.line())
 
 
 @flow(name="embed")
@@ -152,12 +186,10 @@ def embed_flow(job: dict, progress: bool = False) -> dict:
 
 @flow(name="backfill")
 def backfill_flow(job: dict, progress: bool = False) -> dict:
-    """Add the job's sets to an OUT that already has sets, leaving the existing ones alone."""
-    spec = parse(EmbedJob, job, "backfill job")
-    existing = sets.list_sets(spec.out)
-    if not existing:
-        raise ConfigError(f"{spec.out} has no sets to backfill next to; use `embedpipe embed`")
-    return _run(job, verify=False, progress=progress)
+    """Add the job's sets to an OUT that already has sets, leaving the existing ones alone.
+
+    A job naming no model takes the encoder of the sets already there."""
+    return _run(inherit_encoder(job), verify=False, progress=progress)
 
 
 @flow(name="nightly")

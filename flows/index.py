@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -13,18 +15,26 @@ from pipeline.lease import writer_lease
 @task(name="index-set", task_run_name="index {set_name}", cache_policy=NO_CACHE,
       persist_result=False)
 def index_set_task(out: str, set_name: str, kind: str, memory_budget: str,
-                   rebuild: bool) -> dict:
+                   rebuild: bool, progress: bool = False) -> dict:
     req = IndexRequest(out=out, set_name=set_name, kind=kind, memory_budget=memory_budget,
                        rebuild=rebuild)
-    result = index_set(req, say=get_run_logger().info)
-    get_run_logger().info(result.summary())
+    logger = get_run_logger()
+
+    def say(msg: str) -> None:
+        logger.info(msg)
+        if progress:  # not print(): the flow's log_prints would turn it into a log record
+            sys.stderr.write(f"embedpipe: {msg.strip()}\n")
+            sys.stderr.flush()
+
+    result = index_set(req, say=say)
+    logger.info(result.summary())
     return result.model_dump(mode="json")
 
 
 @flow(name="index", log_prints=True)
 def index_flow(out: str, set_name: str | None = None, kind: str = "auto",
                memory_budget: str = "4GB", rebuild: bool = False,
-               lease_wait: float = 0.0) -> list[dict]:
+               lease_wait: float = 0.0, progress: bool = False) -> list[dict]:
     """Index one set, or every set under OUT, holding OUT's writer lease (waiting up to
     ``lease_wait`` s for another writer); returns each set's IndexResult as JSON."""
     parse_bytes(memory_budget)  # a bad budget fails before any work
@@ -37,5 +47,5 @@ def index_flow(out: str, set_name: str | None = None, kind: str = "auto",
         results = []
         for name in names:
             lease.check()
-            results.append(index_set_task(out, name, kind, memory_budget, rebuild))
+            results.append(index_set_task(out, name, kind, memory_budget, rebuild, progress))
         return results

@@ -1,22 +1,29 @@
-"""The nightly deployment: ``nightly_flow`` with a cron schedule, served by this process."""
+"""The nightly deployment: the incremental run (and by default the index catch-up, in the same
+flow run) on a cron schedule, served by this process."""
 
 from __future__ import annotations
 
 from prefect.deployments.runner import RunnerDeployment
 
 from flows.embed import nightly_flow
+from flows.live import embed_and_index_flow
+from pipeline.assembly import job_params
 from pipeline.config import EmbedJob
 from pipeline.errors import ConfigError
 
 
-def nightly_deployment(job: EmbedJob, cron: str, name: str = "nightly") -> RunnerDeployment:
-    """A deployment running the incremental flow over ``job`` on ``cron`` (UTC)."""
+def nightly_deployment(job: EmbedJob, cron: str, name: str = "nightly",
+                       index: bool = True) -> RunnerDeployment:
+    """A deployment running the incremental flow over ``job`` on ``cron`` (UTC); with
+    ``index``, each run then catches up the sets' indexes (nightly to live)."""
+    flow, what = ((embed_and_index_flow, "incremental embedding and index catch-up") if index
+                  else (nightly_flow, "incremental embedding"))
     try:
-        return nightly_flow.to_deployment(
+        return flow.to_deployment(
             name=name,
             cron=cron,
-            parameters={"job": job.model_dump(mode="json")},
-            description=f"incremental embedding of {job.corpus} into {job.out}",
+            parameters={"job": job_params(job)},
+            description=f"{what} of {job.corpus} into {job.out}",
             tags=["embedpipe"],
         )
     except ValueError as exc:

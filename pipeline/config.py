@@ -22,6 +22,8 @@ WindowAgg = Literal["mean", "max", "weighted", "first"]
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "fp32", "bf16", "fp16"]
 Runner = Literal["threads", "processes", "dask"]
+HeadKind = Literal["attention", "positional", "layer_weights", "adapter"]  # learned pooler heads
+CacheDType = Literal["auto", "fp32", "bf16"]  # encoder states cached for head training
 
 
 class _Strict(BaseModel):

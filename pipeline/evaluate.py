@@ -1,32 +1,40 @@
-"""Retrieval quality of sets on labelled queries: recall@1, recall@10, MRR@10, nDCG@10.
+"""Retrieval quality of sets on labelled queries: recall@1, recall@k, MRR@k, nDCG@k.
 
 The queries file is Parquet with columns ``query`` and ``doc_id``; several rows with the same
-query give it several relevant documents. Relevance is binary.
+query give it several relevant documents. Relevance is binary. A set is searched either
+exactly over its own vectors (so poolers are compared, not indexes; the default for sets that
+fit in ``EXACT_MAX_BYTES``, and for sets without an index) or through its published index.
+The metrics are ``pipeline.ranking``'s; the per-query ranks are a polars frame.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+import numpy as np
+import polars as pl
 import pyarrow as pa
 from pydantic import BaseModel
 
-from pipeline import storage
-from pipeline.errors import CorpusError
+from pipeline import ranking, storage
+from pipeline.errors import ConfigError, CorpusError, StorageError
+from pipeline.sets import SetFolder, SetMeta
 
-METRICS = ("recall@1", "recall@10", "mrr@10", "ndcg@10")
+EXACT_MAX_BYTES = 2 << 30  # sets up to this many bytes of vectors are scored exactly by default
+SEARCH_BATCH = 256  # queries encoded and searched at once
+MAX_K = 1000
 
 
 class SetScores(BaseModel):
     set: str
     queries: int
     k: int
+    search: str  # "exact" (over the set's vectors) or "index" (its published FAISS index)
     scores: dict[str, float]
 
 
-def load_queries(url: str) -> dict[str, list]:
-    """{query: [relevant doc ids]} from a Parquet file of (query, doc_id) rows."""
+def load_queries(url: str) -> pl.DataFrame:
+    """Distinct (query, doc_id) rows with a non-blank query and a doc id."""
     table = storage.read_parquet(url)
     missing = [c for c in ("query", "doc_id") if c not in table.column_names]
     if missing:
@@ -34,79 +42,148 @@ def load_queries(url: str) -> dict[str, list]:
             f"{url} has no column {', '.join(missing)} (its columns: "
             f"{', '.join(table.column_names)})"
         )
-    relevant: dict[str, list] = {}
-    for query, doc in zip(table.column("query").to_pylist(), table.column("doc_id").to_pylist(),
-                          strict=True):
-        if not isinstance(query, str) or not query.strip() or doc is None:
-            continue
-        relevant.setdefault(query, [])
-        if doc not in relevant[query]:
-            relevant[query].append(doc)
-    if not relevant:
+    frame = pl.from_arrow(table.select(["query", "doc_id"]))
+    if frame.schema["query"] not in (pl.String, pl.Categorical):
+        raise CorpusError(f"{url}: column query is {frame.schema['query']}, not text")
+    frame = (frame.filter(pl.col("query").str.strip_chars().str.len_chars() > 0,
+                          pl.col("doc_id").is_not_null())
+             .unique(maintain_order=True))
+    if frame.is_empty():
         raise CorpusError(f"{url} has no rows with a non-empty query and a doc_id")
-    return relevant
+    return frame
 
 
-def recall_at(ranked: Sequence, relevant: set, k: int) -> float:
-    return len(set(ranked[:k]) & relevant) / len(relevant) if relevant else 0.0
+def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: int = 10,
+                  exact: bool | None = None, ranks_out: str | None = None,
+                  device: str | None = None, trust_remote_code: bool = False
+                  ) -> list[SetScores]:
+    """Score ``sets`` (default: every set under OUT) on a queries file; optionally write ranks.
+
+    ``device`` and ``trust_remote_code`` are the operator's, for loading each set's model.
+    """
+    from pipeline.index import list_sets
+
+    if not 1 <= k <= MAX_K:
+        raise ConfigError(f"-k must be between 1 and {MAX_K}, got {k}")
+    relevant = load_queries(queries)
+    names = list(sets or list_sets(out))
+    if not names:
+        raise StorageError(f"no sets under {out}; run `embedpipe embed` first")
+    load = {"device": device, "trust_remote_code": trust_remote_code}
+    scored = [evaluate_set(out, name, relevant, k, exact, load) for name in names]
+    if ranks_out:
+        write_ranks([ranks for _, ranks in scored], ranks_out)
+    return [scores for scores, _ in scored]
 
 
-def mrr_at(ranked: Sequence, relevant: set, k: int) -> float:
-    for i, doc in enumerate(ranked[:k]):
-        if doc in relevant:
-            return 1.0 / (i + 1)
-    return 0.0
+def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
+                 exact: bool | None = None, load: dict | None = None
+                 ) -> tuple[SetScores, pl.DataFrame]:
+    """Score one set: its mean metrics, and per relevant (query, doc_id) the rank it got.
+
+    ``load``: keyword arguments for loading the set's model (``device``, ``trust_remote_code``).
+    """
+    load = load or {}
+    info = SetFolder(out, name).meta()
+    use_exact = choose_exact(out, name, exact)
+    queries = relevant["query"].unique(maintain_order=True).to_list()
+    found = (_exact_found(out, info, queries, k, load) if use_exact
+             else _index_found(out, name, queries, k, load))
+    wanted = relevant.rename({"doc_id": "doc"}).with_columns(
+        doc=pl.from_arrow(_as_type(relevant["doc_id"].to_arrow(), found["doc"].to_arrow().type))
+    )
+    ranks = ranking.ranks_of(found, wanted)
+    per_query = ranking.per_query(ranks, k)
+    search = "exact" if use_exact else "index"
+    scores = SetScores(set=name, queries=len(queries), k=k, search=search,
+                       scores=ranking.mean_scores(per_query, k))
+    rows = ranks.rename({"doc": "doc_id"}).with_columns(
+        set=pl.lit(name), search=pl.lit(search), k=pl.lit(k, pl.Int32),
+        doc_id=pl.col("doc_id").cast(pl.String))
+    return scores, rows.select("set", "search", "k", "query", "doc_id", "rank")
 
 
-def ndcg_at(ranked: Sequence, relevant: set, k: int) -> float:
-    dcg = sum(1.0 / math.log2(i + 2) for i, d in enumerate(ranked[:k]) if d in relevant)
-    ideal = sum(1.0 / math.log2(i + 2) for i in range(min(len(relevant), k)))
-    return dcg / ideal if ideal else 0.0
+def choose_exact(out: str, name: str, exact: bool | None) -> bool:
+    """Exact when asked, when the set has no index, or (by default) when it fits in memory."""
+    from pipeline.index import read_meta
+    from pipeline.index.setdata import list_parts
+
+    if exact is not None:
+        if not exact and read_meta(out, name) is None:
+            raise StorageError(f"set {name!r} has no index to evaluate; run `embedpipe index "
+                               f"{out} --set {name}` or use exact search")
+        return exact
+    if read_meta(out, name) is None:
+        return True
+    folder = SetFolder(out, name)
+    info = folder.meta()
+    rows = sum(p.rows for p in list_parts(folder, info.dim))
+    return rows * info.dim * 4 <= EXACT_MAX_BYTES
 
 
-def score_rankings(rankings: Sequence[Sequence], relevant: Sequence[set],
-                   k: int = 10) -> dict[str, float]:
-    """Mean metrics over queries; ``rankings[i]`` are the ids returned for query i."""
-    n = len(rankings)
-    if n == 0:
-        return dict.fromkeys(METRICS, 0.0)
-    sums = dict.fromkeys(METRICS, 0.0)
-    for ranked, rel in zip(rankings, relevant, strict=True):
-        sums["recall@1"] += recall_at(ranked, rel, 1)
-        sums["recall@10"] += recall_at(ranked, rel, k)
-        sums["mrr@10"] += mrr_at(ranked, rel, k)
-        sums["ndcg@10"] += ndcg_at(ranked, rel, k)
-    return {m: round(v / n, 6) for m, v in sums.items()}
+def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,
+                 load: dict) -> pl.DataFrame:
+    """(query, doc, rank) of exact top-k search over every vector of the set."""
+    from pipeline.index.exact import ExactTopK
+    from pipeline.index.plan import BATCH_ROWS
+    from pipeline.index.setdata import iter_batches, list_parts
+    from pipeline.search import QueryEncoder
+
+    encoder = QueryEncoder(info, **load)
+    vectors = np.concatenate([encoder.encode(queries[s:s + SEARCH_BATCH])
+                              for s in range(0, len(queries), SEARCH_BATCH)])
+    top = ExactTopK(vectors, k, info.metric)
+    ids, offset = [], 0
+    parts = list_parts(SetFolder(out, info.name), info.dim)
+    for batch_ids, batch_vectors in iter_batches(parts, info.dim, BATCH_ROWS):
+        top.add(np.arange(offset, offset + len(batch_vectors)), batch_vectors)
+        ids.append(batch_ids)
+        offset += len(batch_vectors)
+    positions = top.result()
+    docs = pl.from_arrow(pa.concat_arrays(ids) if ids else pa.array([], pa.int64()))
+    frame = pl.DataFrame({
+        "query": np.repeat(np.asarray(queries, dtype=object), k).tolist(),
+        "position": positions.reshape(-1),
+        "rank": np.tile(np.arange(1, k + 1), len(queries)),
+    }).filter(pl.col("position") >= 0)
+    return frame.with_columns(doc=docs.gather(frame["position"])).select("query", "doc", "rank")
 
 
-def evaluate_set(searcher, relevant: dict[str, list], k: int = 10,
-                 batch: int = 256) -> SetScores:
-    """Search every query with ``searcher`` (a pipeline.search.Searcher) and score it."""
-    queries = list(relevant)
-    id_type = searcher.handle.idmap.ids.type
+def _index_found(out: str, name: str, queries: list[str], k: int,
+                 load: dict) -> pl.DataFrame:
+    """(query, doc, rank) of the set's published index."""
+    from pipeline.search import Searcher
+
+    searcher = Searcher(out, name, snippets=False, **load)
     rankings = []
-    for start in range(0, len(queries), batch):
-        hits = searcher.search(queries[start:start + batch], k, snippets=False)
+    for start in range(0, len(queries), SEARCH_BATCH):
+        hits = searcher.search(queries[start:start + SEARCH_BATCH], k, snippets=False)
         rankings += [[h.id for h in row] for row in hits]
-    wanted = [set(_as_type(relevant[q], id_type)) for q in queries]
-    return SetScores(set=searcher.name, queries=len(queries), k=k,
-                     scores=score_rankings(rankings, wanted, k))
+    found = ranking.found_frame(rankings, queries)
+    id_type = searcher.handle.idmap.ids.type
+    return found.with_columns(doc=pl.from_arrow(_as_type(found["doc"].to_arrow(), id_type)))
 
 
-def _as_type(ids: list, id_type: pa.DataType) -> list:
+def _as_type(ids: pa.Array, id_type: pa.DataType) -> pa.Array:
     """doc ids as the set's id type (a file of string ids for an int64 set, and so on)."""
     try:
-        return pa.array(ids).cast(id_type).to_pylist()
+        return ids.cast(id_type)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        raise CorpusError(f"doc_id values such as {ids[0]!r} are not of the set's id type "
-                          f"{id_type}") from None
+        raise CorpusError(f"doc_id values such as {ids[0].as_py()!r} are not of the set's id "
+                          f"type {id_type}") from None
+
+
+def write_ranks(frames: list[pl.DataFrame], url: str) -> None:
+    """Every set's per-query ranks as one Parquet file (rank null: not in the top k)."""
+    storage.write_parquet(url, pl.concat(frames).to_arrow())
 
 
 def table(results: list[SetScores]) -> str:
-    """A plain-text table: one row per set, one column per metric."""
-    head = f"{'set':<24}{'queries':>9}" + "".join(f"{m:>11}" for m in METRICS)
-    rows = [f"{r.set:<24}{r.queries:>9}" + "".join(f"{r.scores[m]:>11.4f}" for m in METRICS)
-            for r in results]
+    """A plain-text table: one row per set, one column per metric, and the search used."""
+    metrics = ranking.metric_names(results[0].k) if results else ()
+    head = f"{'set':<24}{'queries':>9}{'search':>8}" + "".join(f"{m:>11}" for m in metrics)
+    rows = [f"{r.set:<24}{r.queries:>9}{r.search:>8}"
+            + "".join(f"{r.scores[m]:>11.4f}" for m in metrics) for r in results]
     return "\n".join([head, *rows])
 
 
@@ -119,12 +196,13 @@ def plot(results: list[SetScores], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(METRICS) * max(len(results), 1) / 2), 4))
+    metrics = ranking.metric_names(results[0].k) if results else ()
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(metrics) * max(len(results), 1) / 2), 4))
     width = 0.8 / max(len(results), 1)
     for i, r in enumerate(results):
-        xs = [j + i * width for j in range(len(METRICS))]
-        ax.bar(xs, [r.scores[m] for m in METRICS], width, label=r.set)
-    ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(METRICS))], METRICS)
+        xs = [j + i * width for j in range(len(metrics))]
+        ax.bar(xs, [r.scores[m] for m in metrics], width, label=f"{r.set} ({r.search})")
+    ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(metrics))], metrics)
     ax.set_ylim(0, 1)
     ax.set_ylabel("score")
     ax.legend()

@@ -19,9 +19,9 @@ import numpy as np
 from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec, parse
-from pipeline.errors import FingerprintError, ModelError, StorageError
+from pipeline.errors import FingerprintError, StorageError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
-from pipeline.sets import SetFolder
+from pipeline.sets import SetFolder, SetMeta
 from pipeline.snippets import SnippetStore
 
 
@@ -46,6 +46,37 @@ def pick_set(out: str, name: str | None) -> str:
     raise StorageError(f"{out} has several indexed sets ({', '.join(indexed)}): pass --set NAME")
 
 
+class QueryEncoder:
+    """A set's own model and pooler, checked against the set's fingerprint, for queries.
+
+    ``trust_remote_code`` is the operator's choice, never the set's (the model loader refuses
+    a folder that would run its own code unless it is given).
+    """
+
+    def __init__(self, info: SetMeta, device: str | None = None,
+                 trust_remote_code: bool = False) -> None:
+        from pipeline.embedder import get_embedder
+
+        self.info = info
+        stored = {**info.encoder, "trust_remote_code": trust_remote_code}
+        if device:
+            stored["device"] = device
+        encoder = parse(EncoderConfig, stored, f"the encoder of set {info.name!r}")
+        spec = parse(PoolerSpec, info.pooler, f"the pooler of set {info.name!r}")
+        self.embedder = get_embedder(encoder, [spec])
+        made = self.embedder.fingerprint(spec.name)
+        if made != info.fingerprint:
+            raise FingerprintError(
+                f"set {info.name!r} was made with fingerprint {info.fingerprint} but its "
+                f"model and pooler load as {made} now (model files changed?); re-embed the set"
+            )
+        self._lock = threading.Lock()
+
+    def encode(self, queries: list[str]) -> np.ndarray:
+        with self._lock:  # one forward pass at a time per model
+            return self.embedder.encode_queries(queries, self.info.pooler.get("name"))
+
+
 class Searcher:
     """One set, loaded once: embedder, index, id map and (if checked) the corpus for snippets.
 
@@ -67,13 +98,13 @@ class Searcher:
             )
         self.meta: IndexMeta = meta
         self._check_index()
-        self.embedder = self._embedder(device, trust_remote_code)
+        self.queries = QueryEncoder(self.set, device, trust_remote_code)
+        self.embedder = self.queries.embedder
         self.handle = open_index(out, meta)
         self.snippets: SnippetStore | None = None
         self.snippet_note: str | None = None
         if snippets:
             self.snippets, self.snippet_note = self._snippets(corpus)
-        self._lock = threading.Lock()
 
     def _snippets(self, corpus: str | None) -> tuple[SnippetStore | None, str | None]:
         """A checked corpus for snippets, or None and the one-line reason there is none."""
@@ -95,38 +126,13 @@ class Searcher:
                 f"`embedpipe index {self.out} --set {self.name} --rebuild`"
             )
 
-    def _embedder(self, device: str | None, trust_remote_code: bool):
-        from pipeline.embedder import get_embedder
-
-        where = f"the encoder of set {self.name!r}"
-        stored = {**self.set.encoder, "trust_remote_code": trust_remote_code}
-        if device:
-            stored["device"] = device
-        encoder = parse(EncoderConfig, stored, where)
-        spec = parse(PoolerSpec, self.set.pooler, f"the pooler of set {self.name!r}")
-        try:
-            embedder = get_embedder(encoder, [spec])
-        except ModelError as exc:
-            if trust_remote_code or "trust_remote_code" not in str(exc):
-                raise
-            raise ModelError(f"{exc} (for set {self.name!r}; pass --trust-remote-code "
-                             "only if you trust that code)") from None
-        made = embedder.fingerprint(spec.name)
-        if made != self.set.fingerprint:
-            raise FingerprintError(
-                f"set {self.name!r} was made with fingerprint {self.set.fingerprint} but its "
-                f"model and pooler load as {made} now (model files changed?); re-embed the set"
-            )
-        return embedder
-
     @property
     def stale(self) -> bool:
         """The set has changed since the index was built (run `embedpipe index` to catch up)."""
         return SetFolder(self.out, self.name).meta().generation > self.meta.generation
 
     def encode(self, queries: list[str]) -> np.ndarray:
-        with self._lock:  # one forward pass at a time per model
-            return self.embedder.encode_queries(queries, self.set.pooler.get("name"))
+        return self.queries.encode(queries)
 
     def search(self, queries: list[str], k: int = 10,
                snippets: bool = True) -> list[list[Hit]]:

@@ -367,11 +367,11 @@ def test_prefect_yaml_deployments():
     from prefect.client.schemas.schedules import CronSchedule
 
     deployments = _deployments()
-    assert set(deployments) == {"nightly", "backfill", "index-rebuild"}
+    assert set(deployments) == {"nightly", "backfill", "index"}
     expected = {
-        "nightly": ("flows/embed.py:nightly_flow", "embedpipe-embed"),
+        "nightly": ("flows/live.py:embed_and_index_flow", "embedpipe-embed"),
         "backfill": ("flows/embed.py:backfill_flow", "embedpipe-embed"),
-        "index-rebuild": ("flows/index.py:index_flow", "embedpipe-index"),
+        "index": ("flows/index.py:index_flow", "embedpipe-index"),
     }
     for name, (entrypoint, pool) in expected.items():
         deployment = deployments[name]
@@ -381,6 +381,11 @@ def test_prefect_yaml_deployments():
             assert func in _flow_functions(REPO / path)
     for name in ("nightly", "backfill"):
         parse(EmbedJob, deployments[name]["parameters"]["job"], f"{name} parameters")
+    # Nightly to live: incremental embed then index catch-up; the index deployment catches up.
+    assert deployments["nightly"]["parameters"]["verify"] is True
+    assert deployments["index"]["parameters"]["rebuild"] is False
+    # The backfill job names no model: the flow takes the existing sets' encoder.
+    assert "encoder" not in deployments["backfill"]["parameters"]["job"]
 
     (schedule,) = deployments["nightly"]["schedules"]
     cron = CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"])
@@ -493,14 +498,18 @@ def test_deployments_run_through_a_real_prefect_server(tmp_path, tiny_model_dir)
             async def scenario():
                 async with get_client() as client:
                     deployments = {d.name: d for d in await client.read_deployments()}
-                    assert set(deployments) == {"nightly", "backfill", "index-rebuild"}
+                    assert set(deployments) == {"nightly", "backfill", "index"}
                     (schedule,) = deployments["nightly"].schedules
                     assert schedule.schedule.cron == "0 2 * * *" and schedule.active
                     await _check_k8s_pools_on_server(client)
                     logs = [embed_log, index_log]
                     await _run_and_wait(client, deployments["nightly"], {"job": job}, logs)
-                    index_params = {"out": str(out), "rebuild": True}
-                    await _run_and_wait(client, deployments["index-rebuild"], index_params, logs)
+                    # Nightly to live: the nightly run alone left a published index.
+                    from pipeline.index import store
+
+                    assert store.read_meta(str(out), "mean") is not None
+                    index_params = {"out": str(out)}
+                    await _run_and_wait(client, deployments["index"], index_params, logs)
 
             asyncio.run(scenario())
         workers = (embed_worker, index_worker)
@@ -518,7 +527,7 @@ def test_deployments_run_through_a_real_prefect_server(tmp_path, tiny_model_dir)
     from pipeline.index import store
 
     index_meta = store.read_meta(str(out), "mean")
-    assert index_meta is not None, "the index-rebuild run published no index"
+    assert index_meta is not None, "no index was published"
     assert (index_meta.rows, index_meta.fingerprint) == (rows, meta["fingerprint"])
     index, _ = store.load(str(out), index_meta)
     assert index.ntotal == rows

@@ -230,10 +230,11 @@ def test_schedule_builds_a_cron_deployment(tmp_path, tiny_model_dir):
     from prefect import get_client
 
     from flows.schedule import nightly_deployment
+    from pipeline.assembly import job_params
 
     spec = EmbedJob.model_validate(job(tmp_path / "c", tmp_path / "out", tiny_model_dir))
     deployment = nightly_deployment(spec, "0 2 * * *", name="test-nightly")
-    assert deployment.parameters == {"job": spec.model_dump(mode="json")}
+    assert deployment.parameters == {"job": job_params(spec)}  # settings fill the rest
     assert deployment.schedules[0].schedule.cron == "0 2 * * *"
     deployment_id = deployment.apply()
     with get_client(sync_client=True) as client:

@@ -38,10 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_prefect() -> None:
     """Prefect's INFO lines would fight the progress bar, and a failed run's traceback would
     bury the one-line reason the CLI prints; a busy machine needs longer to start the
-    ephemeral API than Prefect's default 20 s."""
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    ephemeral API than Prefect's default 20 s.
+
+    On a Prefect server (``PREFECT_API_URL`` set) only the terminal is quieted: the runs'
+    INFO logs still reach the server's UI."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    if os.environ.get("PREFECT_API_URL"):
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+        return
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     for name in ("FLOW_RUNS", "TASK_RUNS"):
         os.environ.setdefault(f"PREFECT_LOGGING_LOGGERS_PREFECT_{name}_LEVEL", "CRITICAL")
 

@@ -32,7 +32,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from pipeline import storage
-    from pipeline.config import EmbedJob
     from pipeline.demo_corpus import stdlib_docstrings
 
     root = args.out or tempfile.mkdtemp(prefix="embedpipe-demo-")
@@ -42,9 +41,7 @@ def run_demo(args: argparse.Namespace) -> int:
     storage.write_parquet(corpus, table, row_group_size=250)
     print(f"corpus: {table.num_rows} docstrings of the Python standard library -> {corpus}")
     names = args.pooler or ["mean", "cls"]
-    job = EmbedJob(corpus=corpus, out=out, poolers=[{"name": n} for n in names],
-                   rows_per_shard=500)
-    _embed_and_index(job)
+    _embed_and_index(corpus, out, names)
     titles = dict(zip(table.column("id").to_pylist(), table.column("name").to_pylist(),
                       strict=True))
     _show_queries(out, names, args.k, titles)
@@ -53,14 +50,14 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _embed_and_index(job) -> None:
-    from flows.embed import embed_flow
-    from flows.index import index_flow
+def _embed_and_index(corpus: str, out: str, names: list[str]) -> None:
+    import embedpipe
     from pipeline.index import IndexResult
 
-    summary = embed_flow(job.model_dump(mode="json"), progress=True)
+    summary = embedpipe.embed(corpus, out, poolers=names, rows_per_shard=500, index=True,
+                              progress=True)
     print(summary["line"])
-    for result in index_flow(job.out):
+    for result in summary["index"]:
         print(IndexResult.model_validate(result).summary())
 
 

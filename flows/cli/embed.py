@@ -1,37 +1,22 @@
-"""``embedpipe embed | backfill | schedule``: flags and a TOML file into an EmbedJob, then a flow.
-
-Config file (all keys optional; flags win)::
-
-    rows_per_shard = 20000
-    runner = "threads"
-    [encoder]
-    model = "/models/minilm"
-    max_length = 256
-    window = { size = 128, stride = 96, agg = "mean" }
-    [[poolers]]
-    name = "cls_last4"
-    strategy = "cls"
-    layers = [-1, -2, -3, -4]
-
-``--pooler NAME`` picks sets: a name defined under ``[[poolers]]`` keeps its options, any
-other name is the built-in pooler of that name with defaults.
-"""
+"""``embedpipe embed | backfill | schedule``: flags into an EmbedJob (``pipeline.assembly``),
+checked before any orchestration starts, then a flow."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import get_args
 
-from pipeline.config import EmbedJob, load_toml, parse
-from pipeline.errors import ConfigError
-
-_ENCODER_FLAGS = ("model", "device", "dtype", "max_length")
-_JOB_FLAGS = ("id_column", "text_column", "runner", "dask_address", "workers", "rows_per_shard")
+from pipeline.config import Device, DType, Runner, WindowAgg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     embed = subparsers.add_parser("embed", help="embed a Parquet corpus into pooler sets")
     _job_args(embed)
+    embed.add_argument("--index", action="store_true",
+                       help="then catch up each set's index, in the same flow run")
+    embed.add_argument("--incremental", action="store_true",
+                       help="re-read every shard, embed only new or changed rows (nightly)")
     embed.set_defaults(func=run_embed)
     backfill = subparsers.add_parser("backfill", help="add pooler sets to an existing OUT")
     _job_args(backfill, pooler_required=True)
@@ -40,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _job_args(schedule)
     schedule.add_argument("--cron", required=True, help='cron schedule, e.g. "0 2 * * *" (UTC)')
     schedule.add_argument("--name", default="nightly", help="deployment name")
+    schedule.add_argument("--no-index", dest="index", action="store_false",
+                          help="embed only; by default each run also catches up the indexes")
     schedule.set_defaults(func=run_schedule)
 
 
@@ -56,89 +43,62 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("--max-length", type=int, help="tokens per text or window (default: model's)")
     p.add_argument("--window", type=int, help="split long texts into windows of N tokens")
     p.add_argument("--stride", type=int, help="tokens between window starts")
-    p.add_argument("--window-agg", choices=["mean", "max", "weighted", "first"])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--runner", choices=["threads", "processes", "dask"])
+    p.add_argument("--window-agg", choices=get_args(WindowAgg))
+    p.add_argument("--device", choices=get_args(Device))
+    p.add_argument("--dtype", choices=get_args(DType))
+    p.add_argument("--runner", choices=get_args(Runner))
     p.add_argument("--dask-address", help="scheduler address (default: a local Dask cluster)")
     p.add_argument("--workers", type=int, help="parallel shards (default 1)")
     p.add_argument("--rows-per-shard", type=int, help="rows per shard (default 20000)")
+    p.add_argument("--lease-wait", type=float, metavar="SECONDS",
+                   help="wait for another writer of OUT to finish (default: fail at once)")
     p.add_argument("--quarantine", action="store_true", default=None,
                    help="write skipped rows to OUT/_quarantine/")
     p.add_argument("--dedupe", action="store_true", default=None,
                    help="keep the first row of each duplicated id instead of failing")
 
 
-def build_job(args: argparse.Namespace) -> EmbedJob:
-    """Config file first, flags over it, validated into one EmbedJob."""
-    config = load_toml(args.config) if args.config else {}
-    encoder = dict(config.pop("encoder", {}))
-    for key in ("model", "device", "dtype", "max_length", "window"):
-        if key in config:
-            encoder[key] = config.pop(key)
-    defined = {p.get("name"): p for p in config.pop("poolers", [])}
-    for key in _ENCODER_FLAGS:
-        if getattr(args, key) is not None:
-            encoder[key] = getattr(args, key)
-    if args.window is not None or args.stride is not None or args.window_agg is not None:
-        window = dict(encoder.get("window") or {})
-        window.update(
-            {k: v for k, v in (("size", args.window), ("stride", args.stride),
-                               ("agg", args.window_agg)) if v is not None}
-        )
-        encoder["window"] = window
-    job = {**config, "corpus": args.corpus, "out": args.out, "encoder": encoder}
-    for key in _JOB_FLAGS:
-        if getattr(args, key) is not None:
-            job[key] = getattr(args, key)
-    for key in ("quarantine", "dedupe"):
-        if getattr(args, key):
-            job[key] = True
-    names = args.pooler or list(defined)
-    if names:  # none: EmbedJob picks the model's default set
-        job["poolers"] = [defined.get(n, {"name": n}) for n in names]
-    return parse(EmbedJob, job, f"embedding job{' (' + args.config + ')' if args.config else ''}")
+def _options(args: argparse.Namespace) -> dict:
+    """The job options (``pipeline.assembly.OPTIONS``) as the flags give them."""
+    from pipeline.assembly import OPTIONS
+
+    return {key: getattr(args, key) for key in OPTIONS}
 
 
 def run_embed(args: argparse.Namespace) -> int:
-    job = build_job(args)
-    from flows.embed import embed_flow
+    import embedpipe
 
-    summary = embed_flow(job.model_dump(mode="json", exclude_unset=True), progress=True)
+    summary = embedpipe.embed(args.corpus, args.out, poolers=args.pooler, config=args.config,
+                              index=args.index, incremental=args.incremental, progress=True,
+                              **_options(args))
     print(summary["line"])
+    if args.index:
+        from pipeline.index import IndexResult
+
+        for result in summary["index"]:
+            print(IndexResult.model_validate(result).summary())
     return 0
 
 
 def run_backfill(args: argparse.Namespace) -> int:
-    job = build_job(args)
-    if args.model is None and not args.config:
-        job = _inherit_encoder(job)
-    from flows.embed import backfill_flow
+    import embedpipe
 
-    summary = backfill_flow(job.model_dump(mode="json", exclude_unset=True), progress=True)
+    summary = embedpipe.backfill(args.corpus, args.out, poolers=args.pooler, config=args.config,
+                                 progress=True, **_options(args))
     print(summary["line"].replace("embedded", "backfilled", 1))
     return 0
 
 
-def _inherit_encoder(job: EmbedJob) -> EmbedJob:
-    """Without --model, a backfill uses the encoder that made the sets already in OUT."""
-    from pipeline.sets import SetFolder, list_sets
-
-    existing = list_sets(job.out)
-    if not existing:
-        raise ConfigError(f"{job.out} has no sets to backfill next to; use `embedpipe embed`")
-    encoder = SetFolder(job.out, existing[0]).meta().encoder
-    encoder.pop("trust_remote_code", None)  # never taken from a file, only from the job's config
-    encoder |= job.encoder.model_dump(mode="json", exclude_unset=True)
-    return parse(EmbedJob, job.model_dump(mode="json") | {"encoder": encoder}, "backfill job")
-
-
 def run_schedule(args: argparse.Namespace) -> int:
-    job = build_job(args)
+    from pipeline.assembly import build_job, check_input
+
+    job = build_job(args.corpus, args.out, config=args.config, poolers=args.pooler,
+                    **_options(args))
+    check_input(job)
     from flows.schedule import nightly_deployment, serve
 
-    deployment = nightly_deployment(job, args.cron, args.name)
-    print(f"serving deployment nightly/{args.name} on cron {args.cron!r}; Ctrl-C to stop",
+    deployment = nightly_deployment(job, args.cron, args.name, index=args.index)
+    print(f"serving deployment {args.name} on cron {args.cron!r}; Ctrl-C to stop",
           file=sys.stderr)
     serve(deployment)
     return 0

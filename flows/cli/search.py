@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
+
+from pipeline.config import Device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,16 +20,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="auto|flat|hnsw|ivf|ivfsq|ivfpq or a FAISS factory string")
     p.add_argument("--memory-budget", default="4GB", help="e.g. 4GB, 512MB")
     p.add_argument("--rebuild", action="store_true", help="full rebuild instead of catch-up")
+    p.add_argument("--lease-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait for another writer of OUT to finish (default: fail at once)")
     p.set_defaults(func=run_index)
 
     p = subparsers.add_parser("query", help="search a set's index with text")
-    p.add_argument("out", metavar="OUT")
+    p.add_argument("out", metavar="OUT", nargs="?",
+                   help="output folder (not needed with --url)")
     p.add_argument("text", metavar="TEXT", nargs="+")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--set", dest="set_name", metavar="NAME")
+    p.add_argument("--url", help="ask a running `embedpipe serve` (http://host:port) instead; "
+                   "EMBEDPIPE_API_KEY is sent as a Bearer token when set")
     p.add_argument("--corpus", help="corpus for snippets (default: as recorded in _SET.json); "
                    "used only if it holds the set's ids")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", choices=get_args(Device))
     p.add_argument("--json", action="store_true", help="print JSON")
     _trust_flag(p)
     p.set_defaults(func=run_query)
@@ -36,18 +44,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--set", dest="sets", action="append", metavar="NAME", default=[])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", choices=get_args(Device))
     p.add_argument("--workers", type=int, default=2, help="searches run at once")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait")
     p.add_argument("--max-k", type=int, default=100)
     _trust_flag(p)
     p.set_defaults(func=run_serve)
 
-    p = subparsers.add_parser("eval", help="recall@1/10, MRR@10, nDCG@10 per set")
+    p = subparsers.add_parser("eval", help="recall@1, recall@k, MRR@k, nDCG@k per set")
     p.add_argument("out", metavar="OUT")
     p.add_argument("queries", metavar="QUERIES.parquet", help="columns: query, doc_id")
     p.add_argument("--set", dest="sets", action="append", metavar="NAME", default=[])
-    p.add_argument("-k", type=int, default=10)
+    p.add_argument("-k", type=int, default=10, help="cut-off of every metric (default 10)")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="exact search over the set's vectors (--no-exact: its index); default: "
+                   "exact when the set fits in memory")
+    p.add_argument("--out", dest="ranks_out", metavar="FILE.parquet",
+                   help="write per-query ranks (set, search, k, query, doc_id, rank)")
+    p.add_argument("--device", choices=get_args(Device))
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="PNG", help="bar chart comparing the sets")
     _trust_flag(p)
@@ -61,41 +75,55 @@ def _trust_flag(p: argparse.ArgumentParser) -> None:
 
 
 def run_index(args: argparse.Namespace) -> int:
-    from flows.index import index_flow
+    import embedpipe
 
-    results = index_flow(args.out, args.set_name, args.kind, args.memory_budget, args.rebuild)
-    from pipeline.index import IndexResult
-
+    results = embedpipe.index(args.out, args.set_name, kind=args.kind,
+                              memory_budget=args.memory_budget, rebuild=args.rebuild,
+                              lease_wait=args.lease_wait,
+                              progress=True)
     for result in results:
-        print(IndexResult.model_validate(result).summary())
+        print(result.summary())
     return 0
 
 
 def run_query(args: argparse.Namespace) -> int:
     from pipeline.errors import ConfigError
-    from pipeline.search import Searcher
 
     if not 1 <= args.k <= 1000:
         raise ConfigError(f"-k must be between 1 and 1000, got {args.k}")
-    text = " ".join(args.text)
+    if args.url is None and args.out is None:
+        raise ConfigError("give OUT, or --url of a running `embedpipe serve`")
+    words = [args.out, *args.text] if args.url and args.out else args.text  # no OUT with --url
+    text = " ".join(words)
     if not text.strip():
         raise ConfigError("the query text is empty")
+    if args.url:
+        from pipeline.client import search_remote
+
+        name, results = search_remote(args.url, [text], args.k, args.set_name)
+        _print_hits(name, text, results[0], args.json)
+        return 0
+    from pipeline.search import Searcher
+
     searcher = Searcher(args.out, args.set_name, device=args.device, corpus=args.corpus,
                         trust_remote_code=args.trust_remote_code)
     if searcher.snippet_note:
         print(f"note: {searcher.snippet_note}", file=sys.stderr)
-    hits = searcher.search([text], args.k)[0]
-    if args.json:
-        print(json.dumps({"set": searcher.name, "query": text,
-                          "results": [h.model_dump() for h in hits]}, ensure_ascii=False))
-        return 0
-    for h in hits:
-        snippet = f"  {h.snippet}" if h.snippet else ""
-        print(f"{h.rank:>3}  {h.score:8.4f}  {h.id}{snippet}")
+    _print_hits(searcher.name, text, searcher.search([text], args.k)[0], args.json)
     if searcher.stale:
         print(f"note: set {searcher.name!r} changed since it was indexed; run "
               f"`embedpipe index {args.out} --set {searcher.name}`", file=sys.stderr)
     return 0
+
+
+def _print_hits(name: str, text: str, hits: list, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"set": name, "query": text, "results": [h.model_dump() for h in hits]},
+                         ensure_ascii=False))
+        return
+    for h in hits:
+        snippet = f"  {h.snippet}" if h.snippet else ""
+        print(f"{h.rank:>3}  {h.score:8.4f}  {h.id}{snippet}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -117,19 +145,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    import embedpipe
     from pipeline import evaluate
-    from pipeline.index import list_sets, read_meta
-    from pipeline.search import Searcher
 
-    relevant = evaluate.load_queries(args.queries)
-    names = args.sets or [s for s in list_sets(args.out) if read_meta(args.out, s)]
-    if not names:
-        from pipeline.errors import StorageError
-
-        raise StorageError(f"no indexed sets under {args.out}; run `embedpipe index` first")
-    searchers = [Searcher(args.out, n, trust_remote_code=args.trust_remote_code, snippets=False)
-                 for n in names]
-    results = [evaluate.evaluate_set(s, relevant, args.k) for s in searchers]
+    results = embedpipe.evaluate(args.out, args.queries, sets=args.sets, k=args.k,
+                                 exact=args.exact, ranks_out=args.ranks_out, device=args.device,
+                                 trust_remote_code=args.trust_remote_code)
     if args.plot:
         evaluate.plot(results, args.plot)
     if args.json:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import get_args
 
-from pipeline.config import parse
+from pipeline.config import CacheDType, Device, DType, HeadKind, parse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,14 +19,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("pairs", metavar="PAIRS", help="Parquet file, folder or glob (local or s3://)")
     p.add_argument("out", metavar="HEAD_OUT", help="folder for the head (local or s3://)")
-    p.add_argument("--kind", required=True,
-                   choices=["attention", "positional", "layer_weights", "adapter"])
+    p.add_argument("--kind", required=True, choices=get_args(HeadKind))
     p.add_argument("--adapter", action="store_true", help="add a linear adapter after pooling")
     p.add_argument("--out-dim", type=int, help="output size of the adapter")
     p.add_argument("--layers", help="comma-separated layers, e.g. -1,-2 (default: by kind)")
     p.add_argument("--model", help="model folder or cached HF name (default: packaged MiniLM)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", choices=get_args(Device))
+    p.add_argument("--dtype", default="auto", choices=get_args(DType))
     p.add_argument("--max-length", type=int)
     p.add_argument("--query-column", default="query")
     p.add_argument("--text-column", default="text")
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--max-pairs", type=int, help="train on at most this many pairs")
     p.add_argument("--memory-budget", default="2GB", help="for cached hidden states, e.g. 2GB")
-    p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--cache-dtype", default="auto", choices=get_args(CacheDType))
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 

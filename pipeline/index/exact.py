@@ -1,4 +1,4 @@
-"""Exact top-k for a sample of queries, streamed over the set, and recall against it."""
+"""Exact top-k for fixed queries, streamed over a set's vectors in batches."""
 
 from __future__ import annotations
 
@@ -38,14 +38,3 @@ class ExactTopK:
         self.heap.finalize()
         return self.heap.I
 
-
-def recall_at(found: np.ndarray, truth: np.ndarray, k: int = 10) -> float:
-    """Mean share of each query's exact top-k that the approximate top-k also returned."""
-    if not len(truth):
-        return 1.0
-    shares = []
-    for got, want in zip(found[:, :k], truth[:, :k], strict=True):
-        want = want[want >= 0]
-        if len(want):
-            shares.append(len(np.intersect1d(got[got >= 0], want)) / len(want))
-    return float(np.mean(shares)) if shares else 1.0

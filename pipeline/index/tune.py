@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.index.exact import recall_at
 from pipeline.index.handle import IndexHandle, hnsw_of, ivf_of
+from pipeline.ranking import recall_of_labels
 
 EF_SEARCH = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -34,7 +34,7 @@ def tune(handle: IndexHandle, queries: np.ndarray, truth: np.ndarray, target: fl
     for params in candidates(handle):
         handle.tune(params)
         _, found = handle.search_labels(queries, k)
-        recall = recall_at(found, truth, k)
+        recall = recall_of_labels(found, truth, k)
         tried.append({**params, "recall_at_10": round(recall, 4)})
         if log:
             log(f"  {params or 'exact'}: recall@{k} {recall:.4f}")

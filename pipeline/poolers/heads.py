@@ -22,7 +22,6 @@ import json
 import math
 import struct
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,9 +31,9 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from pipeline import storage
+from pipeline.config import HeadKind
 from pipeline.errors import ConfigError
 
-HeadKind = Literal["attention", "positional", "layer_weights", "adapter"]
 HEAD_JSON = "head.json"
 HEAD_WEIGHTS = "head.safetensors"
 MAX_JSON_BYTES = 1 << 20  # head.json and the safetensors header are small

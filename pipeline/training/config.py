@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.config import EncoderConfig
-from pipeline.poolers.heads import HeadKind
+from pipeline.config import CacheDType, EncoderConfig, HeadKind
 
-CacheDType = Literal["auto", "fp32", "bf16"]
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

@@ -1,8 +1,13 @@
-"""Exact retrieval metrics: rank of each query's own text among a corpus of texts."""
+"""Exact retrieval for training: rank of each query's own text among a corpus of texts.
+
+The metrics themselves are ``pipeline.ranking``'s, the same that eval and index tuning use.
+"""
 
 from __future__ import annotations
 
 import numpy as np
+
+from pipeline.ranking import score_gold_ranks
 
 
 def gold_ranks(queries: np.ndarray, corpus: np.ndarray, gold: np.ndarray,
@@ -21,17 +26,7 @@ def gold_ranks(queries: np.ndarray, corpus: np.ndarray, gold: np.ndarray,
     return ranks
 
 
-def mrr_at(ranks: np.ndarray, k: int) -> float:
-    """Mean reciprocal rank, counting ranks beyond ``k`` as 0."""
-    return float(np.where(ranks <= k, 1.0 / ranks, 0.0).mean()) if len(ranks) else 0.0
-
-
-def recall_at(ranks: np.ndarray, k: int) -> float:
-    return float((ranks <= k).mean()) if len(ranks) else 0.0
-
-
 def retrieval_metrics(queries: np.ndarray, corpus: np.ndarray, gold: np.ndarray,
                       k: int = 10) -> dict[str, float]:
-    """``{"mrr@k", "recall@k"}`` of exact search over ``corpus``."""
-    ranks = gold_ranks(queries, corpus, gold)
-    return {f"mrr@{k}": mrr_at(ranks, k), f"recall@{k}": recall_at(ranks, k)}
+    """Recall@1, recall@k, MRR@k and nDCG@k of exact search over ``corpus``."""
+    return score_gold_ranks(gold_ranks(queries, corpus, gold), k)

@@ -24,7 +24,7 @@ from pipeline.errors import ConfigError, CorpusError
 from pipeline.poolers.heads import HeadConfig, PoolingHead, save_head
 from pipeline.training.cache import StateCache, build_cache, row_bytes, row_lengths
 from pipeline.training.config import TrainConfig
-from pipeline.training.metrics import gold_ranks, mrr_at, recall_at
+from pipeline.training.metrics import retrieval_metrics
 from pipeline.training.pairs import Pairs, read_pairs, split_groups
 
 TRAINING_JSON = "training.json"
@@ -239,9 +239,8 @@ def evaluate(head: PoolingHead, cache: StateCache, split: Split, k: int) -> dict
     """Exact search of each held-out query over the distinct held-out texts."""
     head.eval()
     texts, gold = torch.unique(split.text, return_inverse=True)
-    ranks = gold_ranks(head_vectors(head, cache, split.query), head_vectors(head, cache, texts),
-                       gold.numpy())
-    return {f"mrr@{k}": mrr_at(ranks, k), f"recall@{k}": recall_at(ranks, k)}
+    return retrieval_metrics(head_vectors(head, cache, split.query),
+                             head_vectors(head, cache, texts), gold.numpy(), k)
 
 
 def _summary(history: list[dict], best_epoch: int, cfg: TrainConfig, n_train: int, n_val: int,

@@ -1,0 +1,123 @@
+"""embedpipe's Python API: the entry points the ``embedpipe`` command line itself uses.
+
+    import embedpipe
+
+    embedpipe.embed("corpus/", "out/", poolers=["mean", "cls"], index=True)
+    embedpipe.backfill("corpus/", "out/", poolers=["max"])      # same encoder as out/'s sets
+    embedpipe.index("out/")                                     # catch up every set's index
+    hits = embedpipe.search("out/", ["how do I parse dates?"], k=5, set_name="mean")
+    scores = embedpipe.evaluate("out/", "queries.parquet", k=5)  # exact search by default
+    frame = embedpipe.read_set("out/", "mean").collect()        # polars: id, embedding
+
+Job options are the CLI's flags as keyword arguments (``model``, ``device``, ``dtype``,
+``max_length``, ``window``, ``stride``, ``window_agg``, ``id_column``, ``text_column``,
+``runner``, ``dask_address``, ``workers``, ``rows_per_shard``, ``quarantine``, ``dedupe``)
+plus ``config`` (a TOML file); see ``pipeline.assembly``. Every failure in the input raises an
+``EmbedpipeError`` (``embedpipe.EmbedpipeError``) whose message is the one-line reason.
+
+Importing this module is cheap: torch, FAISS and Prefect load inside the functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import EmbedpipeError
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from pipeline.evaluate import SetScores
+    from pipeline.index import IndexResult
+    from pipeline.search import Hit
+
+__all__ = ["EmbedpipeError", "backfill", "embed", "evaluate", "index", "read_set", "search"]
+
+
+def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
+          config: str | None = None, index: bool = False, incremental: bool = False,
+          progress: bool = False, **options: Any) -> dict:
+    """Embed ``corpus`` into pooler sets under ``out``; resumes where an earlier run stopped.
+
+    ``incremental`` re-reads every shard and embeds only new or changed rows (the nightly
+    run); ``index`` then catches up each set's index in the same flow run. Returns the run
+    summary (``line`` is the one-line summary; with ``index``, ``index`` holds each set's
+    IndexResult as JSON).
+    """
+    from pipeline.assembly import build_job, check_input, job_params
+
+    job = build_job(corpus, out, config=config, poolers=poolers, **options)
+    check_input(job)
+    if index:
+        from flows.live import embed_and_index_flow
+
+        return embed_and_index_flow(job_params(job), verify=incremental, progress=progress)
+    from flows.embed import embed_flow, nightly_flow
+
+    run = nightly_flow if incremental else embed_flow
+    return run(job_params(job), progress=progress)
+
+
+def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | None = None,
+             progress: bool = False, **options: Any) -> dict:
+    """Add pooler sets to an ``out`` that has sets; without ``model``, their encoder is used."""
+    from pipeline.assembly import build_job, check_input, job_params
+    from pipeline.errors import ConfigError
+
+    if not poolers:
+        raise ConfigError("backfill needs at least one pooler to add")
+    job = build_job(corpus, out, config=config, poolers=poolers, **options)
+    check_input(job)
+    from flows.embed import backfill_flow
+
+    return backfill_flow(job_params(job), progress=progress)
+
+
+def index(out: str, set_name: str | None = None, *, kind: str = "auto",
+          memory_budget: str = "4GB", rebuild: bool = False, lease_wait: float = 0.0,
+          progress: bool = False) -> list[IndexResult]:
+    """Catch up (or build) the index of one set, or of every set under ``out``, holding OUT's
+    writer lease (``lease_wait``: seconds to wait for another writer)."""
+    from pipeline.index import IndexResult, parse_bytes
+
+    parse_bytes(memory_budget)
+    from flows.index import index_flow
+
+    results = index_flow(out, set_name, kind=kind, memory_budget=memory_budget,
+                         rebuild=rebuild, lease_wait=lease_wait, progress=progress)
+    return [IndexResult.model_validate(r) for r in results]
+
+
+def search(out: str, queries: str | Sequence[str], k: int = 10, *, set_name: str | None = None,
+           device: str | None = None, snippets: bool = True,
+           trust_remote_code: bool = False) -> list[list[Hit]]:
+    """The ``k`` best hits per query from a set's published index (no Prefect involved)."""
+    from pipeline.search import Searcher
+
+    texts = [queries] if isinstance(queries, str) else list(queries)
+    searcher = Searcher(out, set_name, device=device, trust_remote_code=trust_remote_code,
+                        snippets=snippets)
+    return searcher.search(texts, k, snippets=snippets)
+
+
+def evaluate(out: str, queries: str, *, sets: Sequence[str] | None = None, k: int = 10,
+             exact: bool | None = None, ranks_out: str | None = None,
+             device: str | None = None, trust_remote_code: bool = False) -> list[SetScores]:
+    """Recall@1, recall@k, MRR@k and nDCG@k of sets on a (query, doc_id) Parquet file.
+
+    ``exact=None`` searches exactly over the set's vectors when they fit in memory (or the set
+    has no index), else its index; each result says which in ``search``. ``ranks_out`` writes
+    the per-query ranks (set, search, k, query, doc_id, rank) as Parquet.
+    """
+    from pipeline.evaluate import evaluate_sets
+
+    return evaluate_sets(out, queries, sets=sets, k=k, exact=exact, ranks_out=ranks_out,
+                         device=device, trust_remote_code=trust_remote_code)
+
+
+def read_set(out: str, name: str) -> pl.LazyFrame:
+    """A set's vectors as a polars LazyFrame (``id``, ``embedding``), local or ``s3://``."""
+    from pipeline.sets import scan_set
+
+    return scan_set(out, name)

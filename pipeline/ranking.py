@@ -1,0 +1,107 @@
+"""Recall, MRR and nDCG at a cut-off: the one implementation behind eval, index tuning and training.
+
+Everything starts from a frame of *relevant* (query, doc) pairs with the 1-based ``rank`` at
+which the search returned that doc (null when it did not). Relevance is binary:
+
+- ``recall@k``: share of a query's relevant docs ranked within ``k``;
+- ``mrr@k``: 1 / rank of its best-ranked relevant doc within ``k`` (0 if none);
+- ``ndcg@k``: sum of 1/log2(rank + 1) over its relevant docs within ``k``, over the same sum
+  for an ideal ranking (its relevant docs first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import polars as pl
+
+
+def metric_names(k: int) -> tuple[str, ...]:
+    """The metrics ``per_query`` and ``mean_scores`` give for cut-off ``k``, in table order."""
+    first = () if k == 1 else ("recall@1",)
+    return (*first, f"recall@{k}", f"mrr@{k}", f"ndcg@{k}")
+
+
+def found_frame(rankings: Sequence[Sequence], queries: Sequence | None = None) -> pl.DataFrame:
+    """``rankings[i]`` (the docs returned for query i, best first) as rows (query, doc, rank)."""
+    keys = list(range(len(rankings))) if queries is None else list(queries)
+    frame = pl.DataFrame({"query": keys, "doc": [list(r) for r in rankings]})
+    return (frame.with_columns(rank=pl.int_ranges(1, pl.col("doc").list.len() + 1))
+            .explode("doc", "rank").drop_nulls("doc"))
+
+
+def ranks_of(found: pl.DataFrame, relevant: pl.DataFrame) -> pl.DataFrame:
+    """Each relevant (query, doc) with the rank the search gave it (null: not returned)."""
+    found = found.with_columns(pl.col("doc").cast(relevant.schema["doc"]))  # e.g. none found
+    best = found.group_by("query", "doc").agg(pl.col("rank").min())
+    return relevant.join(best, on=["query", "doc"], how="left")
+
+
+def per_query(ranks: pl.DataFrame, k: int) -> pl.DataFrame:
+    """One row per query: its metrics at ``k`` from (query, rank) rows of relevant docs."""
+    within = pl.col("rank").is_not_null() & (pl.col("rank") <= k)
+    ideal = pl.DataFrame({"n": np.arange(1, k + 1),
+                          "ideal": np.cumsum(1.0 / np.log2(np.arange(2, k + 2)))})
+    per = (
+        ranks.group_by("query", maintain_order=True)
+        .agg(
+            relevant=pl.len(),
+            top1=(pl.col("rank") == 1).sum(),
+            hits=within.sum(),
+            best=pl.col("rank").filter(within).min(),
+            dcg=(1.0 / (pl.col("rank").filter(within).cast(pl.Float64) + 1).log(2)).sum(),
+        )
+        .with_columns(n=pl.min_horizontal(pl.col("relevant"), pl.lit(k)).cast(ideal["n"].dtype))
+        .join(ideal, on="n", how="left", maintain_order="left")
+    )
+    columns = {
+        "recall@1": pl.col("top1") / pl.col("relevant"),
+        f"recall@{k}": pl.col("hits") / pl.col("relevant"),
+        f"mrr@{k}": (1.0 / pl.col("best").cast(pl.Float64)).fill_null(0.0),
+        f"ndcg@{k}": pl.col("dcg") / pl.col("ideal"),
+    }
+    return per.select("query", *(columns[m].alias(m) for m in metric_names(k)))
+
+
+def mean_scores(table: pl.DataFrame, k: int, digits: int = 6) -> dict[str, float]:
+    """The mean of each metric over the queries of a ``per_query`` table (0 when empty)."""
+    if table.is_empty():
+        return dict.fromkeys(metric_names(k), 0.0)
+    means = table.select(pl.col(m).mean() for m in metric_names(k)).row(0, named=True)
+    return {m: round(float(v), digits) for m, v in means.items()}
+
+
+def score(ranks: pl.DataFrame, k: int) -> dict[str, float]:
+    """Mean metrics at ``k`` over the queries of a (query, rank) frame of relevant docs."""
+    return mean_scores(per_query(ranks, k), k)
+
+
+def score_gold_ranks(ranks: np.ndarray, k: int) -> dict[str, float]:
+    """Metrics when every query has exactly one relevant doc, found at ``ranks[i]`` (1-based)."""
+    frame = pl.DataFrame({"query": np.arange(len(ranks)), "rank": np.asarray(ranks, np.int64)})
+    return score(frame, k)
+
+
+def recall_of_labels(found: np.ndarray, truth: np.ndarray, k: int) -> float:
+    """Mean share of each query's true top-k labels within ``found[:, :k]`` (-1 = no result).
+
+    Queries without any true label are left out; with none at all the recall is 1.
+    """
+    if not len(truth):
+        return 1.0
+    relevant = _label_frame(truth[:, :k]).drop("rank")
+    if relevant.is_empty():
+        return 1.0
+    ranks = ranks_of(_label_frame(found[:, :k]), relevant)
+    return score(ranks, k)[f"recall@{k}"]
+
+
+def _label_frame(labels: np.ndarray) -> pl.DataFrame:
+    rows, cols = labels.shape
+    frame = pl.DataFrame({
+        "query": np.repeat(np.arange(rows), cols),
+        "doc": labels.reshape(-1).astype(np.int64),
+        "rank": np.tile(np.arange(1, cols + 1), rows),
+    })
+    return frame.filter(pl.col("doc") >= 0)

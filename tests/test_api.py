@@ -1,0 +1,267 @@
+"""The Python API (`import embedpipe`) and the commands over it, as users meet them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _search_sets import TEXTS, embedded_set
+
+import embedpipe
+from flows.cli import main
+from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.index import IndexRequest, index_set, store
+from pipeline.sets import SetFolder
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+FAIL_FAST_S = 5.0  # generous: the input check runs before Prefect or torch is imported
+
+
+def _cli(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT,
+                          env=env or ENV, capture_output=True, text=True, timeout=600)
+    return done, time.perf_counter() - started
+
+
+def test_import_embedpipe_is_cheap_and_documented():
+    code = ("import json, sys, embedpipe; print(json.dumps(sorted(m for m in "
+            "('torch', 'transformers', 'prefect', 'faiss', 'polars') if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []
+    for name in ("embed", "backfill", "index", "search", "evaluate", "read_set"):
+        assert callable(getattr(embedpipe, name)) and getattr(embedpipe, name).__doc__
+
+
+def test_bad_input_fails_before_orchestration(tmp_path):
+    """Missing corpus, missing column, bad option: one line, exit 1, in seconds."""
+    pq.write_table(pa.table({"id": [1, 2], "body": ["a", "b"]}), tmp_path / "c.parquet")
+    out = str(tmp_path / "out")
+    cases = {
+        "cannot read": ["embed", str(tmp_path / "missing.parquet"), out],
+        "has no column 'text'": ["embed", str(tmp_path / "c.parquet"), out],
+        "rows_per_shard: Input should be greater than 0": [
+            "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body",
+            "--rows-per-shard", "0"],
+    }
+    for reason, args in cases.items():
+        done, seconds = _cli(*args)
+        assert done.returncode == 1, done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith("embedpipe embed: error: ") and reason in line, line
+        assert seconds < FAIL_FAST_S, f"{args}: {seconds:.1f}s to fail"
+    assert not (tmp_path / "out").exists()
+
+
+def _write(folder: Path, name: str, ids: list[int], texts: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": ids, "text": texts}), folder / name, row_group_size=10)
+
+
+def _flow_run_parents(name: str) -> list:
+    """Flow runs of the flow ``name``, each with its parent flow run's flow name (or None)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])))
+        parents = []
+        for run in runs:
+            if run.parent_task_run_id is None:
+                parents.append(None)
+                continue
+            parent = client.read_flow_run(client.read_task_run(run.parent_task_run_id).flow_run_id)
+            parents.append(client.read_flow(parent.flow_id).name)
+    return parents
+
+
+def _latest_summary_artifact() -> dict:
+    """The table row of the newest ``embed-summary`` artifact on the Prefect API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["embed-summary"])),
+            sort=ArtifactSort.CREATED_DESC, limit=1)
+    data = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    (row,) = data
+    return row
+
+
+@pytest.mark.slow
+def test_python_api_end_to_end(tmp_path, tiny_model_dir, prefect_api):
+    corpus, out = tmp_path / "corpus", str(tmp_path / "out")
+    _write(corpus, "a.parquet", list(range(100, 120)), TEXTS)
+    opts = {"model": str(tiny_model_dir), "device": "cpu", "dtype": "fp32", "rows_per_shard": 10}
+
+    # embed --index: the sets and an up-to-date index from one call
+    summary = embedpipe.embed(str(corpus), out, poolers=["mean"], index=True, **opts)
+    assert (summary["rows"], summary["embedded"]) == (20, 20)
+    assert [r["action"] for r in summary["index"]] == ["built"]
+    meta = store.read_meta(out, "mean")
+    assert (meta.rows, meta.generation) == (20, SetFolder(out, "mean").meta().generation)
+    (hits,) = embedpipe.search(out, TEXTS[3], k=3)
+    assert (hits[0].id, hits[0].snippet) == (103, TEXTS[3])
+
+    # nightly to live: new rows, incremental embed and index catch-up in ONE flow run
+    new = ["a field guide to mushrooms", "repairing a bicycle chain"]
+    _write(corpus, "b.parquet", [200, 201], new)
+    summary = embedpipe.embed(str(corpus), out, poolers=["mean"], index=True, incremental=True,
+                              **opts)
+    assert (summary["rows"], summary["embedded"], summary["reused"]) == (22, 2, 20)
+    assert [r["action"] for r in summary["index"]] == ["caught up"]
+    meta = store.read_meta(out, "mean")
+    assert (meta.rows, meta.generation) == (22, SetFolder(out, "mean").meta().generation)
+    assert [h[0].id for h in embedpipe.search(out, new, k=1)] == [200, 201]
+    assert "embed-and-index" in _flow_run_parents("nightly")
+    assert _latest_summary_artifact() | {"seconds": 0, "docs/s": 0} == {
+        "sets": "mean", "rows": 22, "embedded": 2, "reused": 20, "removed": 0, "skipped": 0,
+        "shards run": "3/3", "seconds": 0, "docs/s": 0}
+
+    # backfill names no model: it takes the encoder of the sets already in OUT
+    backfilled = embedpipe.backfill(str(corpus), out, poolers=["cls"], rows_per_shard=10)
+    assert backfilled["rows"] == 22
+    cls = SetFolder(out, "cls").meta()
+    assert cls.encoder == SetFolder(out, "mean").meta().encoder
+    assert (cls.encoder["model"], cls.dim) == (str(tiny_model_dir), 32)
+
+    # evaluate: exact by default (the cls set has no index at all), per-query ranks
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": TEXTS[:5], "doc_id": list(range(100, 105))}), queries)
+    ranks = tmp_path / "ranks.parquet"
+    results = embedpipe.evaluate(out, str(queries), sets=["mean", "cls"], k=5,
+                                 ranks_out=str(ranks))
+    assert [(r.set, r.search, r.k) for r in results] == [("mean", "exact", 5),
+                                                          ("cls", "exact", 5)]
+    assert results[0].scores == {"recall@1": 1.0, "recall@5": 1.0, "mrr@5": 1.0, "ndcg@5": 1.0}
+    frame = pl.read_parquet(ranks)
+    assert frame.columns == ["set", "search", "k", "query", "doc_id", "rank"]
+    assert frame.filter(pl.col("set") == "mean")["rank"].to_list() == [1] * 5
+    assert frame.height == 10
+
+
+def test_read_set_is_a_polars_frame_of_the_set(tmp_path, tiny_model_dir):
+    out = embedded_set(tmp_path, tiny_model_dir)
+    frame = embedpipe.read_set(str(out), "mean").collect()
+    assert frame.columns == ["id", "embedding"]
+    assert sorted(frame["id"].to_list()) == list(range(100, 120))
+
+
+# --- eval -k 5 against a hand computation ---------------------------------------------------
+
+def _hand_metrics(rank_lists: list[list[int | None]], k: int) -> dict[str, float]:
+    """The textbook formulas, one query at a time (rank None: not returned)."""
+    recall1, recall, mrr, ndcg = [], [], [], []
+    for ranks in rank_lists:
+        hit = sorted(r for r in ranks if r is not None and r <= k)
+        recall1.append(sum(r == 1 for r in hit) / len(ranks))
+        recall.append(len(hit) / len(ranks))
+        mrr.append(1 / hit[0] if hit else 0.0)
+        ideal = sum(1 / math.log2(i + 2) for i in range(min(len(ranks), k)))
+        ndcg.append(sum(1 / math.log2(r + 1) for r in hit) / ideal)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"recall@1": mean(recall1), f"recall@{k}": mean(recall), f"mrr@{k}": mean(mrr),
+            f"ndcg@{k}": mean(ndcg)}
+
+
+def test_eval_k5_labels_values_exact_index_and_ranks_file(tmp_path, tiny_model_dir, capsys):
+    out = embedded_set(tmp_path, tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    # Each query has two relevant docs: its own text and the doc 7 places on (rarely top 5).
+    queries = TEXTS[:8]
+    relevant = {q: [100 + i, 100 + (i + 7) % 20] for i, q in enumerate(queries)}
+    pq.write_table(pa.table({"query": [q for q in queries for _ in relevant[q]],
+                             "doc_id": [d for q in queries for d in relevant[q]]}),
+                   tmp_path / "q.parquet")
+    # The hand computation: brute-force ranks of every relevant doc from the vectors.
+    from pipeline.embedder import get_embedder
+
+    emb = get_embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu"),
+                       [PoolerSpec(name="mean")])
+    docs, q_vectors = emb.encode(TEXTS, "mean"), emb.encode(queries, "mean")
+    order = np.argsort(-(q_vectors @ docs.T), axis=1, kind="stable")
+    rank_of = [{100 + int(d): r + 1 for r, d in enumerate(row[:5])} for row in order]
+    hand_ranks = [[rank_of[i].get(d) for d in relevant[q]] for i, q in enumerate(queries)]
+    expected = _hand_metrics(hand_ranks, 5)
+    assert 0 < expected["recall@5"] < 1, "the example should have hits and misses"
+
+    outputs = {}
+    for flag in ("--exact", "--no-exact"):
+        ranks = tmp_path / f"ranks{flag}.parquet"
+        assert main(["eval", str(out), str(tmp_path / "q.parquet"), "-k", "5", flag,
+                     "--out", str(ranks), "--json"]) == 0
+        (result,) = json.loads(capsys.readouterr().out)
+        assert list(result["scores"]) == ["recall@1", "recall@5", "mrr@5", "ndcg@5"]
+        assert result["scores"] == pytest.approx(expected, abs=1e-6)
+        frame = pl.read_parquet(ranks)
+        got = {(row["query"], int(row["doc_id"])): row["rank"] for row in frame.to_dicts()}
+        assert got == {(q, d): r for q, hand in zip(queries, hand_ranks, strict=True)
+                       for d, r in zip(relevant[q], hand, strict=True)}
+        outputs[flag] = result["search"]
+    assert outputs == {"--exact": "exact", "--no-exact": "index"}
+    assert main(["eval", str(out), str(tmp_path / "q.parquet"), "-k", "5"]) == 0
+    head, row = capsys.readouterr().out.splitlines()
+    assert head.split() == ["set", "queries", "search", "recall@1", "recall@5", "mrr@5",
+                            "ndcg@5"]
+    assert row.split()[:3] == ["mean", "8", "exact"]
+
+
+# --- query --url: a running server answers ------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_query_url_asks_a_running_server(tmp_path, tiny_model_dir):
+    import httpx
+
+    out = embedded_set(tmp_path, tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    port = _free_port()
+    env = ENV | {"EMBEDPIPE_API_KEY": "test-key-123"}  # sent as a Bearer token by the client
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(out), "--port",
+                             str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180  # a hang guard, not a timing
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.5)
+        done, _ = _cli("query", "--url", base, TEXTS[4], "-k", "2", "--json", env=env)
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+        assert answer["set"] == "mean" and answer["query"] == TEXTS[4]
+        assert [h["id"] for h in answer["results"]][0] == 104
+        assert answer["results"][0]["snippet"] == TEXTS[4]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    done, _ = _cli("query", "--url", base, "anything")
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"embedpipe query: error: cannot reach {base}/search")
