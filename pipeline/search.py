@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.data import TextBatch
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta, read_set
 from pipeline.snippets import SnippetStore
@@ -44,8 +45,10 @@ class Searcher:
     """One set, loaded once: embedder, index, id map and (if known) the corpus for snippets."""
 
     def __init__(self, out: str, set_name: str | None = None, device: str | None = None,
-                 corpus: str | None = None) -> None:
-        self.out = out
+                 corpus: str | None = None, previous: Searcher | None = None) -> None:
+        """``previous``: the same set loaded earlier; its model (same fingerprint) and its index
+        (same published token) are reused, so a reload reads only what changed."""
+        self.out, self.corpus, self.device = out, corpus, device
         self.name = pick_set(out, set_name)
         self.set = read_set(out, self.name)
         meta = read_meta(out, self.name)
@@ -56,12 +59,14 @@ class Searcher:
             )
         self.meta: IndexMeta = meta
         self._check_index()
-        self.embedder = self._embedder(device)
-        self.handle = open_index(out, meta)
+        same_model = previous is not None and previous.set.fingerprint == self.set.fingerprint
+        self.embedder = previous.embedder if same_model else self._embedder(device)
+        self._lock = previous._lock if same_model else threading.Lock()  # one model, one lock
+        same_index = same_model and previous.meta.token == meta.token
+        self.handle = previous.handle if same_index else open_index(out, meta)
         corpus = corpus or self.set.corpus
         self.snippets = (SnippetStore(corpus, self.set.id_column, self.set.text_column)
                          if corpus else None)
-        self._lock = threading.Lock()
 
     def _check_index(self) -> None:
         if self.meta.fingerprint != self.set.fingerprint or self.meta.dim != self.set.dim:
@@ -92,6 +97,16 @@ class Searcher:
     def stale(self) -> bool:
         """The set has changed since the index was built (run `embedpipe index` to catch up)."""
         return read_set(self.out, self.name).generation > self.meta.generation
+
+    def reloaded(self) -> Searcher:
+        """This set as published now, reusing this one's model and (if unchanged) index."""
+        return Searcher(self.out, self.name, self.device, self.corpus, previous=self)
+
+    def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """The set's own vectors for ``texts`` (as `embed` wrote them) and the tokens read."""
+        with self._lock:
+            batch = self.embedder.embed(TextBatch(list(range(len(texts))), list(texts)))
+        return batch.vectors[self.set.pooler.get("name")], int(batch.stats["tokens"])
 
     def encode(self, queries: list[str]) -> np.ndarray:
         with self._lock:  # one forward pass at a time per model
