@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import json
 import time
 
@@ -87,8 +88,11 @@ def create_app(config: ServerConfig) -> FastAPI:
 def serve(config: ServerConfig, host: str, port: int) -> None:
     """Run the app under uvicorn with the connection and keep-alive limits of ``config``."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info",
+    logs = copy.deepcopy(LOGGING_CONFIG)  # uvicorn's, plus embedpipe's own lines (reloads)
+    logs["loggers"]["embedpipe"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info", log_config=logs,
                 limit_concurrency=config.max_connections,
                 timeout_keep_alive=config.keep_alive_s)
 
