@@ -3,8 +3,9 @@
 A ``LiveSets`` holds one ``Searcher`` per set. A poller thread reads each set's ``_INDEX.json``
 and ``_SET.json`` every ``interval_s``; when the published index token or the set generation
 differs from what is served, it builds the new ``Searcher`` (``Searcher.reloaded``: same model,
-index reloaded only when a new one was published, snippets re-read for new corpus rows) while
-the old one keeps answering, then swaps the reference in one assignment. A request takes its
+index reloaded only when a new one was published, snippets re-read for new corpus rows) and
+warms it (one search, the corpus ids read) while the old one keeps answering, then swaps the
+reference in one assignment. A request takes its
 ``Searcher`` once with ``get`` and uses it to the end, so it never sees half a swap; the old
 generation (index, id map, snippets) is freed once the last request holding it finishes.
 
@@ -19,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from pipeline.index import read_meta, read_set
 from pipeline.search import Searcher
@@ -41,6 +44,15 @@ class ReloadState:
 def served_version(searcher: Searcher) -> tuple[str, int]:
     """(index token, set generation): what a ``Searcher`` was loaded from."""
     return searcher.meta.token, searcher.set.generation
+
+
+def _warmed(searcher: Searcher) -> Searcher:
+    """Do the first request's one-off work now, off the request path: the index answers a
+    search and the corpus ids for snippets are read."""
+    searcher.handle.search(np.zeros((1, searcher.meta.dim), np.float32), 1)
+    if searcher.snippets is not None:
+        searcher.snippets.texts([])
+    return searcher
 
 
 def published_version(out: str, name: str) -> tuple[str, int] | None:
@@ -83,7 +95,7 @@ class LiveSets:
                 return
             if published == state.failed and time.monotonic() - state.failed_at < self.retry_s:
                 return
-            new = old.reloaded()
+            new = _warmed(old.reloaded())
         except Exception as exc:  # any failure: logged, counted, exposed; the old one serves on
             self._failed(name, published, exc)
             return

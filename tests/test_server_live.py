@@ -69,6 +69,7 @@ def test_new_rows_then_a_new_index_are_swapped_in_with_the_same_model(first_gene
     third = live.get("mean")
     assert third.meta.generation == 2 and third.meta.rows == len(TEXTS)
     assert third.handle is not first.handle and third.embedder is first.embedder
+    assert third.snippets._groups is not None  # corpus ids read before the swap, not by a request
     assert swapped == [second, third] and live.status("mean")["swaps"] == 2
     top = third.search([TEXTS[15]], k=1)[0][0]
     assert (top.id, top.snippet) == (115, TEXTS[15])
