@@ -16,6 +16,8 @@ A failed reload leaves the old generation serving: it is logged, counted, kept i
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from pipeline.search import Searcher
 
 log = logging.getLogger("embedpipe.live")
 RETRY_S = 60.0
+NICE = 5  # the reload thread's nice value (Linux), below the request threads'
 
 
 @dataclass
@@ -133,6 +136,13 @@ class LiveSets:
             self._thread = None
 
     def _loop(self) -> None:
+        _background_priority()
         while not self._stop.wait(self.interval_s):
             self.poll()
+
+
+def _background_priority() -> None:
+    """On Linux, where each thread has its own nice value: reloads yield the CPU to requests."""
+    if sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
 
