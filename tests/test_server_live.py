@@ -170,8 +170,14 @@ def test_serve_answers_throughout_embed_and_index_and_then_serves_the_new_rows(
     embed = ["embed", str(corpus), str(out), "--model", str(tiny_model_dir), "--dtype", "fp32",
              "--device", "cpu"]
     index = ["index", str(out)]
-    subprocess.run([sys.executable, "-c", _cli(embed, index)], cwd=ROOT, env=cli_env(),
-                   check=True, timeout=900)  # a hang guard
+    run_cli = [sys.executable, "-c", _cli(embed, index)]
+
+    def embed_and_index() -> None:
+        done = subprocess.run(run_cli, cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                              timeout=900)  # a hang guard
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    embed_and_index()
 
     with serving(out, "--reload-interval", "0.5") as (base, proc, log):
         stop, statuses, latencies = threading.Event(), [], []
@@ -182,8 +188,7 @@ def test_serve_answers_throughout_embed_and_index_and_then_serves_the_new_rows(
         try:
             new_ids = list(range(1000, 1000 + len(TEXTS)))
             _write_corpus(corpus / "b.parquet", new_ids, TEXTS)  # new rows arrive
-            subprocess.run([sys.executable, "-c", _cli(embed, index)], cwd=ROOT, env=cli_env(),
-                           check=True, timeout=900)
+            embed_and_index()
             deadline = time.monotonic() + 120  # a hang guard: the swap takes ~interval
             while time.monotonic() < deadline:
                 if httpx.get(f"{base}/health").json()["sets"]["mean"]["generation"] == 2:

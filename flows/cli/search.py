@@ -44,14 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", metavar="FILE",
                    help="require 'Authorization: Bearer <key>' with the key in FILE (or set "
                    "EMBEDPIPE_API_KEY / EMBEDPIPE_API_KEY_FILE); /health stays open")
-    p.add_argument("--reload-interval", type=float, default=2.0, metavar="SECONDS",
-                   help="how often to look for a new index generation (0: never)")
-    p.add_argument("--max-connections", type=int, default=64,
-                   help="open connections before new ones get 503")
-    p.add_argument("--keep-alive", type=float, default=5.0, metavar="SECONDS",
-                   help="idle keep-alive connections close after this")
-    p.add_argument("--body-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="a request body not received within this gets 408")
+    p.add_argument("--reload-interval", type=float, metavar="SECONDS",
+                   help="how often to look for a new index generation (default 2; 0: never)")
+    p.add_argument("--max-connections", type=int,
+                   help="open connections before new ones get 503 (default 64)")
+    p.add_argument("--keep-alive", type=float, metavar="SECONDS",
+                   help="idle keep-alive connections close after this (default 5)")
+    p.add_argument("--body-timeout", type=float, metavar="SECONDS",
+                   help="a request body not received within this gets 408 (default 10)")
     p.set_defaults(func=run_serve)
 
     p = subparsers.add_parser("eval", help="recall@1/10, MRR@10, nDCG@10 per set")
@@ -103,15 +103,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from pipeline.config import parse
     from pipeline.server import ServerConfig, api_key, serve
 
-    config = parse(ServerConfig, {"out": args.out, "sets": tuple(args.sets),
-                                  "device": args.device, "workers": args.workers,
-                                  "queue": args.queue, "max_k": args.max_k,
-                                  "default_set": args.default_set,
-                                  "api_key": api_key(args.api_key_file),
-                                  "reload_interval_s": args.reload_interval,
-                                  "max_connections": args.max_connections,
-                                  "keep_alive_s": args.keep_alive,
-                                  "body_timeout_s": args.body_timeout}, "server options")
+    options = {"out": args.out, "sets": tuple(args.sets), "device": args.device,
+               "workers": args.workers, "queue": args.queue, "max_k": args.max_k,
+               "default_set": args.default_set, "api_key": api_key(args.api_key_file),
+               "reload_interval_s": args.reload_interval,
+               "max_connections": args.max_connections, "keep_alive_s": args.keep_alive,
+               "body_timeout_s": args.body_timeout}
+    given = {k: v for k, v in options.items() if v is not None}  # the rest: ServerConfig's
+    config = parse(ServerConfig, given, "server options")
     serve(config, args.host, args.port)
     return 0
 

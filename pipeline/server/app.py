@@ -80,7 +80,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     if config.api_key is not None:
         app.add_middleware(ApiKeyGuard, key=config.api_key.get_secret_value())
     paths = frozenset(getattr(r, "path", "") for r in app.routes)
-    app.add_middleware(RequestMetrics, metrics=metrics, routes=lambda: paths)  # outermost
+    app.add_middleware(RequestMetrics, metrics=metrics, routes=paths)  # outermost
     app.state.live, app.state.gate, app.state.metrics = live, gate, metrics
     return app
 
