@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec, parse
+from pipeline.data import TextBatch
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
 from pipeline.sets import SetFolder, SetMeta
@@ -70,10 +71,10 @@ class QueryEncoder:
                 f"set {info.name!r} was made with fingerprint {info.fingerprint} but its "
                 f"model and pooler load as {made} now (model files changed?); re-embed the set"
             )
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # one forward pass at a time per model
 
     def encode(self, queries: list[str]) -> np.ndarray:
-        with self._lock:  # one forward pass at a time per model
+        with self.lock:
             return self.embedder.encode_queries(queries, self.info.pooler.get("name"))
 
 
@@ -86,8 +87,11 @@ class Searcher:
 
     def __init__(self, out: str, set_name: str | None = None, device: str | None = None,
                  corpus: str | None = None, trust_remote_code: bool = False,
-                 snippets: bool = True) -> None:
-        self.out = out
+                 snippets: bool = True, previous: Searcher | None = None) -> None:
+        """``previous``: the same set loaded earlier; its model (same fingerprint) and its index
+        (same published token) are reused, so a reload reads only what changed."""
+        self.out, self.corpus, self.device = out, corpus, device
+        self.trust_remote_code, self.with_snippets = trust_remote_code, snippets
         self.name = pick_set(out, set_name)
         self.set = SetFolder(out, self.name).meta()
         meta = read_meta(out, self.name)
@@ -98,9 +102,12 @@ class Searcher:
             )
         self.meta: IndexMeta = meta
         self._check_index()
-        self.queries = QueryEncoder(self.set, device, trust_remote_code)
+        same_model = previous is not None and previous.set.fingerprint == self.set.fingerprint
+        self.queries = (previous.queries if same_model
+                        else QueryEncoder(self.set, device, trust_remote_code))
         self.embedder = self.queries.embedder
-        self.handle = open_index(out, meta)
+        same_index = same_model and previous.meta.token == meta.token
+        self.handle = previous.handle if same_index else open_index(out, meta)
         self.snippets: SnippetStore | None = None
         self.snippet_note: str | None = None
         if snippets:
@@ -130,6 +137,17 @@ class Searcher:
     def stale(self) -> bool:
         """The set has changed since the index was built (run `embedpipe index` to catch up)."""
         return SetFolder(self.out, self.name).meta().generation > self.meta.generation
+
+    def reloaded(self) -> Searcher:
+        """This set as published now, reusing this one's model and (if unchanged) index."""
+        return Searcher(self.out, self.name, self.device, self.corpus, self.trust_remote_code,
+                        self.with_snippets, previous=self)
+
+    def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """The set's own vectors for ``texts`` (as `embed` wrote them) and the tokens read."""
+        with self.queries.lock:
+            batch = self.embedder.embed(TextBatch(list(range(len(texts))), list(texts)))
+        return batch.vectors[self.set.pooler.get("name")], int(batch.stats["tokens"])
 
     def encode(self, queries: list[str]) -> np.ndarray:
         return self.queries.encode(queries)

@@ -2,57 +2,26 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 from _search_sets import TEXTS, embedded_set
+from _serve import serving
 
 from pipeline.index import IndexRequest, index_set
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     out = embedded_set(tmp_path_factory.mktemp("serve"), tiny_model_dir)
     index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
-    port = free_port()
-    code = ("import sys; from flows.cli import main; "
-            f"sys.exit(main(['serve', {str(out)!r}, '--port', '{port}', '--workers', '1', "
-            "'--queue', '2', '--max-k', '50']))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180  # a hang guard, not a timing
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
-        time.sleep(0.5)
-    yield base, proc
-    proc.terminate()
-    proc.wait(timeout=30)
+    with serving(out, "--workers", "1", "--queue", "2", "--max-k", "50",
+                 "--body-timeout", "2") as (base, proc, _):
+        yield base, proc
 
 
 def test_health_describes_the_loaded_sets(server):
@@ -160,3 +129,72 @@ def test_under_load_only_queue_refusals_and_memory_stays_flat(server):
     assert after - before < 50 * 2**20, (before, after)
     # The server is healthy afterwards.
     assert httpx.post(f"{base}/search", json={"query": TEXTS[0], "k": 1}).status_code == 200
+
+
+LONE_SURROGATE = b'"x \\ud800 y"'  # valid JSON, not valid Unicode: no model can read it
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/search", b'{"query": ' + LONE_SURROGATE + b"}"),
+    ("/search", b'{"queries": ["fine", ' + LONE_SURROGATE + b"]}"),
+    ("/search", b'{"query": "ok", ' + LONE_SURROGATE + b": 1}"),  # in a key
+    ("/v1/embeddings", b'{"input": ' + LONE_SURROGATE + b"}"),
+    ("/embed", b'{"inputs": [' + LONE_SURROGATE + b"]}"),
+])
+def test_a_lone_surrogate_gets_422_not_500(server, path, body):
+    base, _ = server
+    response = httpx.post(f"{base}{path}", content=body,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert "unicode string" in str(response.json()["detail"])
+    assert httpx.post(f"{base}/search", json={"query": TEXTS[1], "k": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("body", [{"query": "a\ud800"}, {"queries": ["ok", "\udfff b"]}])
+def test_request_models_refuse_lone_surrogates_in_process_too(body):
+    """A plain ``str`` field would take them; the models' constrained text refuses them."""
+    from pydantic import ValidationError
+
+    from pipeline.server.models import SearchRequest
+
+    with pytest.raises(ValidationError, match="unicode string"):
+        SearchRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("body", [
+    {"queries": ["q" * 900] * 1_000},  # 1,000 items where 32 are allowed: pydantic lists them
+    {"query": 5, "k": "x" * 999_000},
+    {"input": ["y" * 99_000] * 10},
+])
+def test_a_megabyte_of_invalid_input_is_not_echoed(server, body):
+    base, _ = server
+    content = httpx.Request("POST", base, json=body).content
+    assert 900_000 < len(content) <= 1_000_000
+    path = "/v1/embeddings" if "input" in body else "/search"
+    response = httpx.post(f"{base}{path}", content=content,
+                          headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500 and len(response.content) < 4_000, (
+        response.status_code, len(response.content))
+    assert response.json()["detail"]
+
+
+def test_a_slow_body_gets_408_and_holds_no_worker(server):
+    """One worker; a client sends headers and 10 of 100 promised bytes, then stalls."""
+    import socket
+    from urllib.parse import urlsplit
+
+    base, _ = server
+    host, port = urlsplit(base).hostname, urlsplit(base).port
+    with socket.create_connection((host, port), timeout=60) as slow:
+        slow.sendall(b"POST /search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"query\": ")
+        started = time.monotonic()
+        for _ in range(3):  # the one worker still answers others while the body is pending
+            assert httpx.post(f"{base}/search", json={"query": TEXTS[4], "k": 1}).status_code == 200
+        answer = b""
+        while chunk := slow.recv(4096):  # the server closes the connection after answering
+            answer += chunk
+        waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"not received within 2s" in answer
+    assert waited < 30  # a hang guard: the server gave up on the body, not the client

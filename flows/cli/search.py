@@ -48,6 +48,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="searches run at once")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait")
     p.add_argument("--max-k", type=int, default=100)
+    p.add_argument("--default-set", metavar="NAME",
+                   help="set for requests that name none (default: the only set, else "
+                   "'model', else 'mean')")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="require 'Authorization: Bearer <key>' with the key in FILE (or set "
+                   "EMBEDPIPE_API_KEY / EMBEDPIPE_API_KEY_FILE); /health stays open")
+    p.add_argument("--reload-interval", type=float, metavar="SECONDS",
+                   help="how often to look for a new index generation (default 2; 0: never)")
+    p.add_argument("--max-connections", type=int,
+                   help="open connections before new ones get 503 (default 64)")
+    p.add_argument("--keep-alive", type=float, metavar="SECONDS",
+                   help="idle keep-alive connections close after this (default 5)")
+    p.add_argument("--body-timeout", type=float, metavar="SECONDS",
+                   help="a request body not received within this gets 408 (default 10)")
     _trust_flag(p)
     p.set_defaults(func=run_serve)
 
@@ -127,20 +141,18 @@ def _print_hits(name: str, text: str, hits: list, as_json: bool) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pipeline.config import parse
-    from pipeline.server import ServerConfig, create_app
+    from pipeline.server import ServerConfig, api_key, serve
 
-    config = parse(ServerConfig, {"out": args.out, "sets": tuple(args.sets),
-                                  "device": args.device, "workers": args.workers,
-                                  "queue": args.queue, "max_k": args.max_k,
-                                  "trust_remote_code": args.trust_remote_code}, "server options")
-    app = create_app(config)
-    for searcher in app.state.searchers.values():  # served, without snippets for that set
-        if searcher.snippet_note:
-            print(f"note: {searcher.snippet_note}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    options = {"out": args.out, "sets": tuple(args.sets), "device": args.device,
+               "workers": args.workers, "queue": args.queue, "max_k": args.max_k,
+               "default_set": args.default_set, "api_key": api_key(args.api_key_file),
+               "reload_interval_s": args.reload_interval,
+               "max_connections": args.max_connections, "keep_alive_s": args.keep_alive,
+               "body_timeout_s": args.body_timeout, "trust_remote_code": args.trust_remote_code}
+    given = {k: v for k, v in options.items() if v is not None}  # the rest: ServerConfig's
+    config = parse(ServerConfig, given, "server options")
+    serve(config, args.host, args.port)
     return 0
 
 

@@ -1,0 +1,149 @@
+"""Sets as served live: each new published generation is loaded in the background and swapped in.
+
+A ``LiveSets`` holds one ``Searcher`` per set. A poller thread reads each set's ``_INDEX.json``
+and ``_SET.json`` every ``interval_s``; when the published index token or the set generation
+differs from what is served, it builds the new ``Searcher`` (``Searcher.reloaded``: same model,
+index reloaded only when a new one was published, snippets re-read for new corpus rows) and
+warms it (one search, the corpus ids read) while the old one keeps answering, then swaps the
+reference in one assignment. A request takes its
+``Searcher`` once with ``get`` and uses it to the end, so it never sees half a swap; the old
+generation (index, id map, snippets) is freed once the last request holding it finishes.
+
+A failed reload leaves the old generation serving: it is logged, counted, kept in
+``status()`` and retried when something new is published (or after ``retry_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.index import read_meta
+from pipeline.search import Searcher
+from pipeline.sets import SetFolder
+
+log = logging.getLogger("embedpipe.live")
+RETRY_S = 60.0
+NICE = 5  # the reload thread's nice value (Linux), below the request threads'
+
+
+@dataclass
+class ReloadState:
+    """What the poller knows about one set: swaps made and the last failure (if any)."""
+
+    swaps: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    failed: tuple[str, int] | None = None  # the published version that failed, and when
+    failed_at: float = 0.0
+
+
+def served_version(searcher: Searcher) -> tuple[str, int]:
+    """(index token, set generation): what a ``Searcher`` was loaded from."""
+    return searcher.meta.token, searcher.set.generation
+
+
+def _warmed(searcher: Searcher) -> Searcher:
+    """Do the first request's one-off work now, off the request path: the index answers a
+    search and the corpus ids for snippets are read."""
+    searcher.handle.search(np.zeros((1, searcher.meta.dim), np.float32), 1)
+    if searcher.snippets is not None:
+        searcher.snippets.texts([])
+    return searcher
+
+
+def published_version(out: str, name: str) -> tuple[str, int] | None:
+    """(index token, set generation) as published now; None while no index is published."""
+    meta = read_meta(out, name)
+    return None if meta is None else (meta.token, SetFolder(out, name).meta().generation)
+
+
+class LiveSets:
+    def __init__(self, searchers: dict[str, Searcher], interval_s: float,
+                 on_swap: Callable[[Searcher], None] = lambda _: None,
+                 on_failure: Callable[[str], None] = lambda _: None,
+                 retry_s: float = RETRY_S) -> None:
+        self._current = dict(searchers)
+        self.state = {name: ReloadState() for name in searchers}
+        self.interval_s, self.retry_s = interval_s, retry_s
+        self._on_swap, self._on_failure = on_swap, on_failure
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._current)
+
+    def get(self, name: str) -> Searcher:
+        """The generation serving ``name`` now; hold it for the whole request."""
+        return self._current[name]
+
+    def poll(self) -> None:
+        """Check every set once; load and swap in what changed."""
+        for name in self.names:
+            self._refresh(name)
+
+    def _refresh(self, name: str) -> None:
+        old, state = self._current[name], self.state[name]
+        published = None
+        try:
+            published = published_version(old.out, name)
+            if published is None or published == served_version(old):
+                return
+            if published == state.failed and time.monotonic() - state.failed_at < self.retry_s:
+                return
+            new = _warmed(old.reloaded())
+        except Exception as exc:  # any failure: logged, counted, exposed; the old one serves on
+            self._failed(name, published, exc)
+            return
+        self._current[name] = new  # the swap: one reference assignment
+        state.swaps += 1
+        state.failed, state.last_error = None, None
+        log.info("set %r: now serving index %s (generation %d, %d rows)", name,
+                 new.meta.token, new.meta.generation, new.meta.rows)
+        self._on_swap(new)
+
+    def _failed(self, name: str, published: tuple[str, int] | None, exc: Exception) -> None:
+        state = self.state[name]
+        state.failures += 1
+        state.failed, state.failed_at = published, time.monotonic()
+        state.last_error = f"{type(exc).__name__}: {exc}"
+        log.error("set %r: reload failed, still serving index %s: %s", name,
+                  self._current[name].meta.token, state.last_error)
+        self._on_failure(name)
+
+    def status(self, name: str) -> dict:
+        s = self.state[name]
+        return {"swaps": s.swaps, "failures": s.failures, "last_error": s.last_error}
+
+    def start(self) -> None:
+        if self.interval_s <= 0 or self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="embedpipe-reload", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        _background_priority()
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+
+def _background_priority() -> None:
+    """On Linux, where each thread has its own nice value: reloads yield the CPU to requests."""
+    if sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+

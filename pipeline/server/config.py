@@ -1,0 +1,83 @@
+"""The server's options (one frozen model) and where its API key comes from."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from pipeline.errors import ConfigError
+
+MAX_K = 1000
+MAX_QUERY_CHARS = 10_000
+MAX_BATCH = 256
+KEY_ENV = "EMBEDPIPE_API_KEY"
+KEY_FILE_ENV = "EMBEDPIPE_API_KEY_FILE"
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    out: str
+    sets: tuple[str, ...] = ()  # empty: every indexed set under OUT
+    default_set: str | None = None  # None: the only set, else `model`, else `mean`
+    device: str | None = None
+    api_key: SecretStr | None = None  # every route but /health needs `Bearer <key>`
+    max_k: int = Field(default=100, gt=0, le=MAX_K)
+    max_query_chars: int = Field(default=2_000, gt=0, le=MAX_QUERY_CHARS)
+    max_batch: int = Field(default=32, gt=0, le=MAX_BATCH)
+    max_inputs: int = Field(default=MAX_BATCH, gt=0, le=MAX_BATCH)  # texts per embedding call
+    max_input_chars: int = Field(default=MAX_QUERY_CHARS, gt=0, le=MAX_QUERY_CHARS)
+    max_body_bytes: int = Field(default=1_000_000, gt=0)
+    body_timeout_s: float = Field(default=10.0, gt=0)  # a slow body gets 408 after this
+    workers: int = Field(default=2, gt=0)
+    queue: int = Field(default=16, ge=0)
+    queue_timeout_s: float = Field(default=5.0, gt=0)
+    faiss_threads: int = Field(default=1, gt=0)
+    reload_interval_s: float = Field(default=2.0, ge=0)  # 0: never look for new generations
+    max_connections: int = Field(default=64, gt=0)  # uvicorn answers 503 above this
+    keep_alive_s: float = Field(default=5.0, gt=0)
+    trust_remote_code: bool = False  # the operator's --trust-remote-code, never _SET.json's
+
+
+def api_key(key_file: str | None = None, env: Mapping[str, str] = os.environ) -> str | None:
+    """The key from ``key_file`` (or ``EMBEDPIPE_API_KEY_FILE``) or ``EMBEDPIPE_API_KEY``.
+
+    A key given both ways is refused rather than one silently winning; an empty key or an
+    unreadable file is an error, never "no authentication".
+    """
+    key_file = key_file or env.get(KEY_FILE_ENV) or None
+    if key_file and env.get(KEY_ENV):
+        raise ConfigError(f"both {KEY_ENV} and an API key file ({key_file}) are set; use one")
+    if key_file:
+        try:
+            key = Path(key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the API key file {key_file}: {exc}") from None
+        where = f"API key file {key_file}"
+    elif KEY_ENV in env:
+        key, where = env[KEY_ENV].strip(), KEY_ENV
+    else:
+        return None
+    if not key:
+        raise ConfigError(f"{where} is empty; give a key or unset it to serve without one")
+    return key
+
+
+def choose_default(names: list[str], configured: str | None) -> str:
+    """The set served when a request names none: the configured one, the only one, or the
+    one named ``model`` or else ``mean``; with several others, refuse to guess."""
+    if configured is not None:
+        if configured not in names:
+            raise ConfigError(f"--default-set {configured!r} is not served "
+                              f"(served: {', '.join(names)})")
+        return configured
+    if len(names) == 1:
+        return names[0]
+    for preferred in ("model", "mean"):
+        if preferred in names:
+            return preferred
+    raise ConfigError(f"several sets are served ({', '.join(names)}) and none is named 'model' "
+                      "or 'mean': pass --default-set NAME")

@@ -1,0 +1,48 @@
+"""Where the server's API key and default set come from (pure functions, no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.errors import ConfigError
+from pipeline.server import api_key, choose_default
+
+
+def test_the_key_comes_from_a_file_or_the_environment(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("  s3cret-from-file\n")
+    assert api_key(None, {}) is None
+    assert api_key(None, {"EMBEDPIPE_API_KEY": "s3cret"}) == "s3cret"
+    assert api_key(str(key_file), {}) == "s3cret-from-file"
+    assert api_key(None, {"EMBEDPIPE_API_KEY_FILE": str(key_file)}) == "s3cret-from-file"
+
+
+@pytest.mark.parametrize(("flag", "env", "reason"), [
+    ("KEYFILE", {"EMBEDPIPE_API_KEY": "a"}, "both EMBEDPIPE_API_KEY and an API key file"),
+    (None, {"EMBEDPIPE_API_KEY": "  "}, "EMBEDPIPE_API_KEY is empty"),
+    ("EMPTY", {}, "is empty"),
+    ("MISSING", {}, "cannot read the API key file"),
+])
+def test_an_ambiguous_empty_or_unreadable_key_is_refused(tmp_path, flag, env, reason):
+    (tmp_path / "KEYFILE").write_text("k")
+    (tmp_path / "EMPTY").write_text("\n")
+    with pytest.raises(ConfigError, match=reason):
+        api_key(str(tmp_path / flag) if flag else None, env)
+
+
+@pytest.mark.parametrize(("names", "configured", "chosen"), [
+    (["cls", "mean"], None, "mean"),
+    (["a", "mean", "model"], None, "model"),
+    (["zeta"], None, "zeta"),
+    (["cls", "mean"], "cls", "cls"),
+])
+def test_the_default_set_is_configured_or_named_not_first_alphabetically(names, configured,
+                                                                         chosen):
+    assert choose_default(names, configured) == chosen
+
+
+def test_the_default_set_is_never_guessed():
+    with pytest.raises(ConfigError, match=r"several sets are served \(a, b\).*--default-set"):
+        choose_default(["a", "b"], None)
+    with pytest.raises(ConfigError, match="--default-set 'c' is not served"):
+        choose_default(["a", "b"], "c")
