@@ -157,8 +157,10 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
 def phase_printer(progress: bool) -> Callable[[str], None]:
     """Phases of a run on stderr, from the first second, when a terminal user is watching."""
 
+    watching = progress and sys.stderr.isatty()  # a log file gets the run logger's lines
+
     def say(msg: str) -> None:
-        if progress:  # not print(): a flow's log_prints would turn it into a log record
+        if watching:  # not print(): a flow's log_prints would turn it into a log record
             sys.stderr.write(f"embedpipe: {msg}\n")
             sys.stderr.flush()
 

@@ -293,12 +293,13 @@ def test_the_operator_flag_is_the_only_switch_for_remote_code(indexed, tmp_path,
 
 
 def test_a_backfill_does_not_inherit_remote_code_from_the_set(indexed, tmp_path):
-    from flows.cli.embed import _inherit_encoder
+    from pipeline.assembly import inherit_encoder
     from pipeline.config import EmbedJob
 
     out = copy_out(indexed, tmp_path)
     edit_set(out, encoder={"trust_remote_code": True})
-    job = _inherit_encoder(EmbedJob(corpus=str(tmp_path / "c.parquet"), out=str(out)))
+    job = EmbedJob.model_validate(
+        inherit_encoder({"corpus": str(tmp_path / "c.parquet"), "out": str(out)}))
     stored = json.loads((out / "sets" / "mean" / "_SET.json").read_text())["encoder"]
     assert job.encoder.model == stored["model"]  # the rest of the encoder is inherited
     assert job.encoder.trust_remote_code is False
