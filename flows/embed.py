@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -18,6 +17,7 @@ from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
+from flows.progress import phase_printer
 from pipeline.assembly import inherit_encoder
 from pipeline.config import EmbedJob, parse
 from pipeline.errors import ConfigError, CorpusError, EmbedpipeError, FingerprintError, ModelError
@@ -152,19 +152,6 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
     logger.info(summary.line())
     _summary_artifact(summary)
     return summary.model_dump() | {"line": summary.line()}
-
-
-def phase_printer(progress: bool) -> Callable[[str], None]:
-    """Phases of a run on stderr, from the first second, when a terminal user is watching."""
-
-    watching = progress and sys.stderr.isatty()  # a log file gets the run logger's lines
-
-    def say(msg: str) -> None:
-        if watching:  # not print(): a flow's log_prints would turn it into a log record
-            sys.stderr.write(f"embedpipe: {msg}\n")
-            sys.stderr.flush()
-
-    return say
 
 
 def _summary_artifact(summary) -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.progress import phase_printer
 from pipeline.index import IndexRequest, index_set, list_sets
 from pipeline.index.plan import parse_bytes
 from pipeline.lease import writer_lease
@@ -19,12 +18,11 @@ def index_set_task(out: str, set_name: str, kind: str, memory_budget: str,
     req = IndexRequest(out=out, set_name=set_name, kind=kind, memory_budget=memory_budget,
                        rebuild=rebuild)
     logger = get_run_logger()
+    show = phase_printer(progress)
 
     def say(msg: str) -> None:
         logger.info(msg)
-        if progress:  # not print(): the flow's log_prints would turn it into a log record
-            sys.stderr.write(f"embedpipe: {msg.strip()}\n")
-            sys.stderr.flush()
+        show(msg.strip())
 
     result = index_set(req, say=say)
     logger.info(result.summary())
