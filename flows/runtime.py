@@ -39,6 +39,18 @@ class PrefectServerError(EmbedpipeError):
     """The local Prefect server did not start."""
 
 
+def prepare(command: str) -> None:
+    """Everything the CLI sets up once before running ``command``.
+
+    OpenMP threads that spin while waiting (the default) make small kernels many times slower
+    when other processes share the cores; passive waiting costs little on big matmuls.
+    Set before torch loads OpenMP; a user's own ``OMP_WAIT_POLICY`` wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if command in FLOW_COMMANDS:
+        use_local_server()
+
+
 def use_local_server() -> str | None:
     """Point Prefect at the reused local server (starting it if needed); returns its API URL.
 

@@ -68,21 +68,28 @@ class Embedder:
         )
 
     def embed(self, batch: TextBatch) -> EmbeddingBatch:
-        if not len(batch):
+        return self.encode_tokens(list(batch.ids), self.tokenize(list(batch.texts)))
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Step 1 of ``embed``: content token ids per text (a reader thread may run it)."""
+        return self.encoder.tokenize(texts) if texts else []
+
+    def encode_tokens(self, ids: list, tokens: list[list[int]]) -> EmbeddingBatch:
+        """Step 2 of ``embed``: the forward passes and poolers over tokenized texts."""
+        if not tokens:
             empty = {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()}
             return EmbeddingBatch([], empty)
-        tokens = self.encoder.tokenize(list(batch.texts))
         lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
         pieces = self._plan(lengths)
         raw = self._forward_pieces(tokens, pieces)
-        vectors = {name: self._finish(name, raw[name], pieces, len(batch)) for name in raw}
+        vectors = {name: self._finish(name, raw[name], pieces, len(tokens)) for name in raw}
         stats = {
-            "rows": len(batch),
+            "rows": len(tokens),
             "tokens": int(pieces.lengths.sum()),
             "windows": len(pieces),
             "truncated": 0 if self.cfg.window else int((lengths > pieces.lengths).sum()),
         }
-        return EmbeddingBatch(list(batch.ids), vectors, stats)
+        return EmbeddingBatch(list(ids), vectors, stats)
 
     def encode(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
         """Vectors of ``texts`` for one set (the only set when ``set_name`` is None)."""

@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from flows.runtime import FLOW_COMMANDS, use_local_server
+from flows.runtime import prepare
 from pipeline.errors import EmbedpipeError
 
 COMMAND_MODULES = (
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.settings import load_settings
 
         load_settings().export_env()
-        if args.command in FLOW_COMMANDS:
-            use_local_server()  # one reused Prefect API instead of one started per run
+        prepare(args.command)  # threads; one reused Prefect API instead of one per run
         return int(args.func(args) or 0)
     except EmbedpipeError as exc:
         print(f"embedpipe {args.command}: error: {exc}", file=sys.stderr)
