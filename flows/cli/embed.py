@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import get_args
 
-from pipeline.config import EmbedJob, load_toml, parse
+from pipeline.config import DType, EmbedJob, load_toml, parse
 from pipeline.errors import ConfigError
 
 _ENCODER_FLAGS = ("model", "device", "dtype", "max_length")
@@ -57,7 +58,7 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("--stride", type=int, help="tokens between window starts")
     p.add_argument("--window-agg", choices=["mean", "max", "weighted", "first"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--dtype", choices=get_args(DType))
     p.add_argument("--runner", choices=["threads", "processes", "dask"])
     p.add_argument("--dask-address", help="scheduler address (default: a local Dask cluster)")
     p.add_argument("--workers", type=int, help="parallel shards (default 1)")
