@@ -3,8 +3,9 @@
 For each set the shard's previous vectors (its own part and any older overlapping range of
 the same file) are looked up by id and content hash: unchanged rows reuse their vector,
 new or changed rows are embedded, rows gone from the shard are recorded as removed. All sets
-share ONE forward pass over the rows any of them needs. A set's part and hashes are written
-first, its done marker last; a set whose rows and hashes are unchanged is not rewritten.
+share ONE forward pass over the rows any of them needs, and identical texts share one forward
+pass. A set's part and hashes are written first, its done marker last; a set whose rows and
+hashes are unchanged is not rewritten. What the shard did goes into one ``ShardStats``.
 """
 
 from __future__ import annotations
@@ -128,9 +129,34 @@ class _Slice:
     hashes: np.ndarray
     found: dict[str, np.ndarray]  # set -> row in its stored vectors, -1 = embed
     need: np.ndarray  # rows some set must embed
-    unique: np.ndarray  # rows of ``need`` to encode: the first of each distinct text
-    inverse: np.ndarray  # for each row of ``need``: its position in ``unique``
-    tokens: list[list[int]]  # tokens of the ``unique`` rows
+    unique: np.ndarray  # rows to encode: the first of each text not encoded yet in the shard
+    source: np.ndarray  # for each row of ``need``: its row in the shard's encoded store
+    tokens: list[list[int]]  # tokens of the ``unique`` rows (they fill the next store rows)
+
+
+class _Seen:
+    """Content hashes encoded so far in a shard -> row of the shard's store of encoded vectors,
+    so identical texts anywhere in the shard share one forward pass."""
+
+    def __init__(self) -> None:
+        self.keys = np.zeros(0, np.uint64)  # sorted
+        self.rows = np.zeros(0, np.int64)
+        self.size = 0
+
+    def assign(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(store row of each hash, positions in ``hashes`` of the texts to encode now)."""
+        distinct, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+        at = np.minimum(np.searchsorted(self.keys, distinct), max(len(self.keys) - 1, 0))
+        known = (self.keys[at] == distinct) if len(self.keys) else np.zeros(len(distinct), bool)
+        rows = np.empty(len(distinct), np.int64)
+        rows[known] = self.rows[at[known]]
+        fresh = np.flatnonzero(~known)
+        rows[fresh] = self.size + np.arange(len(fresh))
+        self.size += len(fresh)
+        keys = np.concatenate([self.keys, distinct[fresh]])
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.rows = keys[order], np.concatenate([self.rows, rows[fresh]])[order]
+        return rows[inverse.reshape(-1)], first[fresh]
 
 
 def embed_shard(request: ShardRequest) -> ShardResult:
@@ -155,17 +181,22 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     ids_parts, hash_parts = [], []
     vectors: dict[str, list[np.ndarray]] = {n: [] for n in previous}
     counts = {n: [0, 0] for n in previous}  # embedded, reused
+    # encoded vectors of the shard's distinct texts, filled in the order _Seen assigns rows
+    store = {n: np.empty((shard.rows, dims[n]), np.float32) for n in previous}
+    filled = 0
     for piece in prefetch(slices, depth=2):
         tick = time.perf_counter()
         out = embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
         stats.add_seconds("encode", time.perf_counter() - tick)
         stats.add_encoder(out.stats)
+        for name in store:
+            store[name][filled : filled + len(piece.unique)] = out.vectors[name]
+        filled += len(piece.unique)
         stats.encoded += len(piece.unique)
         stats.duplicates += len(piece.need) - len(piece.unique)
         stats.embedded += len(piece.need)
         for name, found in piece.found.items():
-            vectors[name].append(_assemble(piece, found, out.vectors.get(name), previous[name],
-                                           dims[name]))
+            vectors[name].append(_assemble(piece, found, store[name], previous[name]))
             reused = int((found >= 0).sum())
             counts[name][0] += len(found) - reused
             counts[name][1] += reused
@@ -211,6 +242,7 @@ def _read_slices(request, embedder, previous, stats: ShardStats, quarantine) -> 
     chunks = read_shard(
         shard, job.id_column, job.text_column, request.id_type, frozenset(request.drop_rows)
     )
+    seen = _Seen()
     while True:
         tick = time.perf_counter()
         chunk = next(chunks, None)
@@ -227,21 +259,21 @@ def _read_slices(request, embedder, previous, stats: ShardStats, quarantine) -> 
             hashes = chunk.hashes[start : start + EMBED_ROWS]
             found = {name: prev.lookup(ids, hashes) for name, prev in previous.items()}
             need = np.flatnonzero(np.logical_or.reduce([f < 0 for f in found.values()]))
-            _, first, inverse = np.unique(hashes[need], return_index=True, return_inverse=True)
-            unique = need[first]
+            source, encode = seen.assign(hashes[need])
+            unique = need[encode]
             stats.add_seconds("read", time.perf_counter() - tick)
             tick = time.perf_counter()
             tokens = embedder.tokenize([chunk.texts[start + r] for r in unique.tolist()])
             stats.add_seconds("tokenize", time.perf_counter() - tick)
-            yield _Slice(ids, hashes, found, need, unique, inverse.reshape(-1), tokens)
+            yield _Slice(ids, hashes, found, need, unique, source, tokens)
 
 
-def _assemble(piece: _Slice, found: np.ndarray, new: np.ndarray | None, previous: _Previous,
-              dim: int) -> np.ndarray:
+def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _Previous
+              ) -> np.ndarray:
     """A slice's vectors for one set: stored ones where found, else the encoded ones."""
-    matrix = np.empty((len(found), dim), np.float32)
+    matrix = np.empty((len(found), encoded.shape[1]), np.float32)
     if len(piece.need):
-        matrix[piece.need] = new[piece.inverse]
+        matrix[piece.need] = encoded[piece.source]
     hit = found >= 0
     if hit.any():
         matrix[hit] = previous.vectors[found[hit]]
@@ -280,7 +312,10 @@ def _write_set(request, work, ids, hashes, matrix, skipped) -> tuple[bool, int]:
         if refreshed != work.prior:
             sets.write_marker(out, work.name, refreshed)
         return False, 0
-    removed = old_ids.filter(pc.invert(pc.is_in(old_ids, value_set=ids))).to_pylist()
+    removed = (  # no stored ids: an empty array of null type
+        old_ids.filter(pc.invert(pc.is_in(old_ids, value_set=ids))).to_pylist()
+        if len(old_ids) else []
+    )
     sets.record_removed(out, work.name, generation, shard.id, removed)
     faults.hit("write_part", f"{shard.id}/{work.name}")
     if len(ids):
