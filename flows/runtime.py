@@ -196,27 +196,29 @@ def _serve(port: int, record: Path, idle_s: float = IDLE_S) -> None:
                        log_level="error", lifespan="on")
     )
 
-    started = time.time()
-
     def watch() -> None:
+        while not server.started:  # a slow start is not idle time
+            time.sleep(0.5)
+        serving = time.time()
         while not server.should_exit:
             time.sleep(min(30.0, idle_s / 4))
-            server.should_exit = _orphaned(record, started, idle_s)
+            server.should_exit = _orphaned(record, serving, idle_s)
 
     threading.Thread(target=watch, daemon=True).start()
     server.run()
 
 
-def _orphaned(record: Path, started: float, idle_s: float) -> bool:
-    """Idle for ``idle_s`` since start or the last run, or the record names another server."""
+def _orphaned(record: Path, serving: float, idle_s: float) -> bool:
+    """Idle for ``idle_s`` since it began serving or the last run touched the record, or the
+    record is gone or names another server (then no run will find this one)."""
     try:
         data = json.loads(record.read_text())
         last = record.stat().st_mtime
-    except (OSError, ValueError):  # not written yet (starting) or gone
-        return time.time() - started > idle_s
-    if data.get("pid") != os.getpid() and time.time() - started > START_TIMEOUT_S:
-        return True
-    return time.time() - max(started, last) > idle_s
+    except (OSError, ValueError):  # gone, or not written yet by the starting CLI
+        return time.time() - serving > idle_s
+    if data.get("pid") != os.getpid():
+        return time.time() - serving > idle_s
+    return time.time() - max(serving, last) > idle_s
 
 
 if __name__ == "__main__":
