@@ -97,6 +97,7 @@ def main() -> int:
     parser.add_argument("--after", type=Path, default=Path("."), help="code tree measured")
     parser.add_argument("--rows", type=int, nargs="+", default=[20_000, 200_000])
     parser.add_argument("--work", type=Path, default=None, help="scratch folder")
+    parser.add_argument("--no-startup", action="store_true", help="skip the start-up runs")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="embedpipe-speed-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,7 @@ def main() -> int:
     base_env.pop("PREFECT_API_URL", None)
     small = corpus(work, 300)
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    for label, tree in trees.items():
+    for label, tree in trees.items() if not args.no_startup else []:
         out = work / f"out-{label}-300"
         shutil.rmtree(out, ignore_errors=True)
         runs = {"first": embed(tree, small, out, model, base_env)}
@@ -132,15 +133,15 @@ def main() -> int:
             shutil.rmtree(out, ignore_errors=True)
             report[f"tiny_{label}_{rows}"] = result
             print(json.dumps({f"tiny_{label}_{rows}": result}), flush=True)
-    print(summary(report, trees, args.rows, flags))
+    print(summary(report, trees, args.rows, flags, not args.no_startup))
     (work / "speed.json").write_text(json.dumps(report, indent=1))
     return 0
 
 
-def summary(report: dict, trees: dict, rows: list[int], flags: str) -> str:
+def summary(report: dict, trees: dict, rows: list[int], flags: str, startup: bool) -> str:
     lines = [f"CPU flags: {flags}; fp32 matmul {report['fp32_matmul_gflops']} GFLOP/s; "
              f"load average at start {report['load_avg'][0]:.1f} on {report['cores']} cores"]
-    for label in trees:
+    for label in trees if startup else []:
         s = report[f"startup_{label}"]
         lines.append(f"{label:6} start-up: 300 rows {s['first']['wall_s']}s, nothing to do "
                      f"{s['nothing_to_do']['wall_s']}s"
