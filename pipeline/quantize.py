@@ -1,9 +1,9 @@
 """The opt-in int8 CPU path: dynamic int8 quantization of the encoder's Linear layers.
 
 Weights are quantized once at load (per tensor, symmetric); activations are quantized per
-batch at run time, so no calibration data is needed. Vectors change (cosine to fp32 about
-0.99, see bench/int8.py), so an int8 set has its own fingerprint: ``quantized_hash`` marks
-the model hash the fingerprint stands on.
+batch at run time, so no calibration data is needed. Vectors change (MiniLM on 400 PyPI
+summaries: cosine to fp32 0.94 mean, 0.78 min; see bench/int8.py), so an int8 set has its own
+fingerprint: ``quantized_hash`` marks the model hash the fingerprint stands on.
 """
 
 from __future__ import annotations
