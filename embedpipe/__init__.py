@@ -52,6 +52,7 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
     if index:
         from flows.live import embed_and_index_flow
 
+        _orchestration()
         return embed_and_index_flow(job_params(job), verify=incremental, progress=progress)
     from flows.embed import embed_flow, nightly_flow
 
@@ -71,6 +72,7 @@ def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | Non
     check_input(job)
     from flows.embed import backfill_flow
 
+    _orchestration()
     return backfill_flow(job_params(job), progress=progress)
 
 
@@ -84,6 +86,7 @@ def index(out: str, set_name: str | None = None, *, kind: str = "auto",
     parse_bytes(memory_budget)
     from flows.index import index_flow
 
+    _orchestration()
     results = index_flow(out, set_name, kind=kind, memory_budget=memory_budget,
                          rebuild=rebuild, lease_wait=lease_wait, progress=progress)
     return [IndexResult.model_validate(r) for r in results]
@@ -121,3 +124,10 @@ def read_set(out: str, name: str) -> pl.LazyFrame:
     from pipeline.sets import scan_set
 
     return scan_set(out, name)
+
+
+def _orchestration() -> None:
+    """Right before a flow runs (input already checked): the CLI's reused local Prefect API."""
+    from flows.runtime import use_local_server
+
+    use_local_server()

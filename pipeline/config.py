@@ -20,7 +20,7 @@ from pipeline.names import SET_NAME
 LayerCombine = Literal["mean", "max", "concat", "weighted"]
 WindowAgg = Literal["mean", "max", "weighted", "first"]
 Device = Literal["auto", "cpu", "cuda"]
-DType = Literal["auto", "fp32", "bf16", "fp16"]
+DType = Literal["auto", "fp32", "bf16", "fp16", "int8"]  # int8: opt-in, CPU only
 Runner = Literal["threads", "processes", "dask"]
 HeadKind = Literal["attention", "positional", "layer_weights", "adapter"]  # learned pooler heads
 CacheDType = Literal["auto", "fp32", "bf16"]  # encoder states cached for head training

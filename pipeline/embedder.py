@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +31,16 @@ from pipeline.poolers import Pooler, build_pooler
 from pipeline.windows import Pieces, truncate, windows
 
 MIN_FILL = 0.9  # a batch ends before real tokens fall under 90% of padded (bench/encode_bench.py)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Tokenized texts: ids (the prompt's first), the prompt's tokens at the start of each
+    (``lead``) and the prompt's length as the pooler sees it."""
+
+    ids: list[list[int]]
+    lead: np.ndarray
+    prompt_length: int
 
 
 class Embedder:
@@ -88,26 +99,32 @@ class Embedder:
 
     def embed(self, batch: TextBatch) -> EmbeddingBatch:
         """Document vectors of every set (with the model's document prompt)."""
-        return self._embed(batch, self.encoder.document_prompt)
+        return self.encode_tokens(list(batch.ids), self.tokenize(list(batch.texts)))
 
-    def _embed(self, batch: TextBatch, prompt: Prompt) -> EmbeddingBatch:
-        if not len(batch):
+    def tokenize(self, texts: list[str], prompt: Prompt | None = None) -> Tokens:
+        """Step 1 of ``embed`` (a reader thread may run it): each text's token ids behind the
+        prompt (the document prompt unless another is given)."""
+        prompt = self.encoder.document_prompt if prompt is None else prompt
+        ids = self.encoder.tokenize(texts, prompt) if texts else []
+        return Tokens(ids, self.encoder.prompt_lead(ids, prompt), prompt.length)
+
+    def encode_tokens(self, ids: list, tokens: Tokens) -> EmbeddingBatch:
+        """Step 2 of ``embed``: the forward passes and poolers over tokenized texts."""
+        if not tokens.ids:
             empty = {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()}
             return EmbeddingBatch([], empty)
-        tokens = self.encoder.tokenize(list(batch.texts), prompt)
-        lead = self.encoder.prompt_lead(tokens, prompt)
-        total = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-        lengths = total - lead  # the text's own tokens, after the prompt's
-        pieces = self._plan(lengths, lead)
-        raw = self._forward_pieces(tokens, lead, pieces, prompt.length)
-        vectors = {name: self._finish(name, raw[name], pieces, len(batch)) for name in raw}
+        total = np.fromiter((len(t) for t in tokens.ids), dtype=np.int64, count=len(tokens.ids))
+        lengths = total - tokens.lead  # the text's own tokens, after the prompt's
+        pieces = self._plan(lengths, tokens.lead)
+        raw = self._forward_pieces(tokens.ids, tokens.lead, pieces, tokens.prompt_length)
+        vectors = {name: self._finish(name, raw[name], pieces, len(total)) for name in raw}
         stats = {
-            "rows": len(batch),
+            "rows": len(total),
             "tokens": int(pieces.lengths.sum()),
             "windows": len(pieces),
             "truncated": 0 if self.cfg.window else int((lengths > pieces.lengths).sum()),
         }
-        return EmbeddingBatch(list(batch.ids), vectors, stats)
+        return EmbeddingBatch(list(ids), vectors, stats)
 
     def encode(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
         """Document vectors of ``texts`` for one set (the only set when ``set_name`` is None)."""
@@ -119,7 +136,8 @@ class Embedder:
 
     def _encode(self, texts: Sequence[str], set_name: str | None, prompt: Prompt) -> np.ndarray:
         name = set_name or next(iter(self.specs))
-        return self._embed(TextBatch(list(range(len(texts))), list(texts)), prompt).vectors[name]
+        tokens = self.tokenize(list(texts), prompt)
+        return self.encode_tokens(list(range(len(texts))), tokens).vectors[name]
 
     def _plan(self, lengths: np.ndarray, lead: np.ndarray) -> Pieces:
         """Pieces over each text's own tokens; the prompt's ``lead`` tokens take their share

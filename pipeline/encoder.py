@@ -18,6 +18,7 @@ from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
 from pipeline.models.head import ModelParts
 from pipeline.precision import CALIBRATION_TEXTS, choose_device, choose_dtype
+from pipeline.quantize import INT8, quantize_linear, quantized_hash
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,11 @@ class Encoder:
         prompts = self.files.prompts
         self.document_prompt = self._prompt(prompts.document(cfg.prompt_name))
         self.query_prompt = self._prompt(prompts.query(cfg.query_prompt_name))
-        self.model_hash = self.files.model_hash()
         self.dtype = "fp32"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._cosine_to_fp32)
+        if self.dtype == INT8:
+            self.model = quantize_linear(self.model)
+        self.model_hash = quantized_hash(self.files.model_hash(), self.dtype)
 
     def _max_length(self, model_limit) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512

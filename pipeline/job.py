@@ -3,8 +3,9 @@
 For each set the shard's previous vectors (its own part and any older overlapping range of
 the same file) are looked up by id and content hash: unchanged rows reuse their vector,
 new or changed rows are embedded, rows gone from the shard are recorded as removed. All sets
-share ONE forward pass over the rows any of them needs. A set's part and hashes are written
-first, its done marker last; a set whose rows and hashes are unchanged is not rewritten.
+share ONE forward pass over the rows any of them needs, and identical texts share one forward
+pass. A set's part and hashes are written first, its done marker last; a set whose rows and
+hashes are unchanged is not rewritten. What the shard did goes into one ``ShardStats``.
 """
 
 from __future__ import annotations
@@ -12,19 +13,26 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import faults, storage
 from pipeline.config import EmbedJob
 from pipeline.corpus import Chunk, read_shard
-from pipeline.data import TextBatch
 from pipeline.sets import SetFolder, ShardMarker, quarantine_url
 from pipeline.shards import Shard
+from pipeline.stages import prefetch
+from pipeline.stats import ShardStats
 
-EMBED_ROWS = 8192  # rows handed to the embedder at once (it cuts token-budget batches itself)
+# rows per slice: the reader tokenizes the next slice while the encoder runs this one (the
+# embedder cuts token-budget batches itself); smaller slices overlap sooner, hold less memory
+EMBED_ROWS = 4096
 
 
 class SetWork(BaseModel):
@@ -58,77 +66,155 @@ class SetOutcome(BaseModel):
 
 class ShardResult(BaseModel):
     shard: str
-    rows: int  # valid rows in the shard
-    embedded: int  # rows that went through the encoder
-    skipped: dict[str, int]
     sets: list[SetOutcome]
-    stats: dict[str, int]
+    stats: ShardStats
     seconds: float
+
+    @property
+    def rows(self) -> int:  # valid rows in the shard
+        return self.stats.rows
+
+    @property
+    def embedded(self) -> int:  # rows whose vector came from the encoder
+        return self.stats.embedded
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return self.stats.skipped
+
+
+# ---- reuse of stored vectors (set IO: reading) ---------------------------------------------
 
 
 class _Previous:
-    """Stored (id -> hash, vector) of a set's earlier shards, for reuse by id and hash."""
+    """Stored vectors of a set's earlier shards, found again by (id, content hash) in a join."""
 
     def __init__(self, out: str, name: str, shards: list[str]) -> None:
-        self.index: dict[object, tuple[int, int]] = {}
-        self.vectors: list[np.ndarray] = []
+        keys, vectors, offset = [], [], 0
         folder = SetFolder(out, name)
         for shard in shards:
             ids, hashes, _ = folder.read_hashes(shard)
             if not len(ids) or not folder.has_part(shard):
                 continue
-            part_ids, vectors = folder.read_part(shard)
-            if part_ids.to_pylist() != ids.to_pylist():
+            part_ids, part = folder.read_part(shard)
+            if not part_ids.equals(ids):
                 continue  # part and hashes disagree (should not happen): do not trust either
-            k = len(self.vectors)
-            self.vectors.append(vectors)
-            for row, (i, h) in enumerate(zip(ids.to_pylist(), hashes.tolist(), strict=True)):
-                self.index[i] = (h, (k << 40) | row)
+            keys.append(_keys(ids, hashes).with_columns(at=np.arange(offset, offset + len(ids))))
+            vectors.append(part)
+            offset += len(ids)
+        self.keys = pl.concat(keys) if keys else None
+        self.vectors = np.concatenate(vectors) if vectors else None
 
-    def lookup(self, ident: object, content: int) -> np.ndarray | None:
-        found = self.index.get(ident)
-        if found is None or found[0] != content:
-            return None
-        k, row = found[1] >> 40, found[1] & ((1 << 40) - 1)
-        return self.vectors[k][row]
+    def lookup(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
+        """Row in ``vectors`` of each (id, hash); -1 where nothing stored matches."""
+        found = np.full(len(ids), -1, np.int64)
+        if self.keys is None or not len(ids):
+            return found
+        query = _keys(ids, hashes).with_row_index("pos")
+        hits = query.join(self.keys, on=["id", "hash"], how="inner")
+        found[hits["pos"].to_numpy()] = hits["at"].to_numpy()
+        return found
+
+
+def _keys(ids: pa.Array, hashes: np.ndarray) -> pl.DataFrame:
+    return pl.DataFrame({"id": pl.from_arrow(ids), "hash": pl.Series(hashes, dtype=pl.UInt64)})
+
+
+# ---- the stages of a shard -----------------------------------------------------------------
+
+
+@dataclass
+class _Slice:
+    """Up to EMBED_ROWS valid rows of a chunk, with what each set reuses and what to encode."""
+
+    ids: pa.Array
+    hashes: np.ndarray
+    found: dict[str, np.ndarray]  # set -> row in its stored vectors, -1 = embed
+    need: np.ndarray  # rows some set must embed
+    unique: np.ndarray  # rows to encode: the first of each text not encoded yet in the shard
+    source: np.ndarray  # for each row of ``need``: its row in the shard's encoded store
+    tokens: list[list[int]]  # tokens of the ``unique`` rows (they fill the next store rows)
+
+
+class _Seen:
+    """Content hashes encoded so far in a shard -> row of the shard's store of encoded vectors,
+    so identical texts anywhere in the shard share one forward pass."""
+
+    def __init__(self) -> None:
+        self.keys = np.zeros(0, np.uint64)  # sorted
+        self.rows = np.zeros(0, np.int64)
+        self.size = 0
+
+    def assign(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(store row of each hash, positions in ``hashes`` of the texts to encode now)."""
+        distinct, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+        at = np.minimum(np.searchsorted(self.keys, distinct), max(len(self.keys) - 1, 0))
+        known = (self.keys[at] == distinct) if len(self.keys) else np.zeros(len(distinct), bool)
+        rows = np.empty(len(distinct), np.int64)
+        rows[known] = self.rows[at[known]]
+        fresh = np.flatnonzero(~known)
+        rows[fresh] = self.size + np.arange(len(fresh))
+        self.size += len(fresh)
+        keys = np.concatenate([self.keys, distinct[fresh]])
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.rows = keys[order], np.concatenate([self.rows, rows[fresh]])[order]
+        return rows[inverse.reshape(-1)], first[fresh]
 
 
 def embed_shard(request: ShardRequest) -> ShardResult:
-    """Read, embed and write one shard for the sets in ``request``; returns what it did."""
+    """Read, embed and write one shard for the sets in ``request``; returns what it did.
+
+    Stages: a reader thread reads, validates, looks up stored vectors and tokenizes the next
+    slice while this thread encodes the current one; the parts are written at the end.
+    """
     from pipeline.embedder import get_embedder  # torch only where work happens
 
     started = time.perf_counter()
     job, shard = request.job, request.shard
     limit_threads(job.workers)
     embedder = get_embedder(job.encoder, job.poolers)
-    names = [w.name for w in request.sets]
+    stats = ShardStats()
     previous = {w.name: _Previous(job.out, w.name, w.previous) for w in request.sets}
-    ids_parts, hash_parts = [], []
-    vectors: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    counts = {n: [0, 0] for n in names}  # embedded, reused
-    skipped: dict[str, int] = {}
-    stats: dict[str, int] = {}
     quarantine: list[pa.Table] = []
-    embedded_rows = 0
     faults.hit("read_shard", shard.id)
-    for chunk in read_shard(
-        shard, job.id_column, job.text_column, request.id_type, frozenset(request.drop_rows)
-    ):
-        for reason, n in chunk.skipped.items():
-            skipped[reason] = skipped.get(reason, 0) + n
-        if job.quarantine and chunk.skipped_rows:
-            quarantine.append(_quarantine_table(shard, chunk))
-        embedded_rows += _fill(chunk, embedder, names, previous, vectors, counts, stats)
-        ids_parts.append(chunk.ids)
-        hash_parts.append(chunk.hashes)
-    ids = pa.concat_arrays(ids_parts) if ids_parts else pa.array([])
+    reader = ShardStats()  # the reader thread's own record, added at the end
+    slices = _read_slices(request, embedder, previous, reader, quarantine)
+    dims = embedder.dims()
+    ids_parts, hash_parts = [], []
+    vectors: dict[str, list[np.ndarray]] = {n: [] for n in previous}
+    counts = {n: [0, 0] for n in previous}  # embedded, reused
+    # encoded vectors of the shard's distinct texts, filled in the order _Seen assigns rows
+    store = {n: np.empty((shard.rows, dims[n]), np.float32) for n in previous}
+    filled = 0
+    for piece in prefetch(slices, depth=2):
+        tick = time.perf_counter()
+        out = embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
+        stats.add_seconds("encode", time.perf_counter() - tick)
+        stats.add_encoder(out.stats)
+        for name in store:
+            store[name][filled : filled + len(piece.unique)] = out.vectors[name]
+        filled += len(piece.unique)
+        stats.encoded += len(piece.unique)
+        stats.duplicates += len(piece.need) - len(piece.unique)
+        stats.embedded += len(piece.need)
+        for name, found in piece.found.items():
+            vectors[name].append(_assemble(piece, found, store[name], previous[name]))
+            reused = int((found >= 0).sum())
+            counts[name][0] += len(found) - reused
+            counts[name][1] += reused
+        ids_parts.append(piece.ids)
+        hash_parts.append(piece.hashes)
+    stats.reused = max((c[1] for c in counts.values()), default=0)
+    stats = ShardStats.total([stats, reader])
+    ids = pa.concat_arrays(ids_parts) if ids_parts else pa.array([], _id_type(request))
     hashes = np.concatenate(hash_parts) if hash_parts else np.zeros(0, np.uint64)
+    tick = time.perf_counter()
     if quarantine:  # before any marker: a done shard always has its quarantine file
         storage.write_parquet(quarantine_url(job.out, shard.id), pa.concat_tables(quarantine))
     outcomes = []
     for work in request.sets:
         matrix = np.concatenate(vectors[work.name]) if vectors[work.name] else None
-        written, removed = _write_set(request, work, ids, hashes, matrix, skipped)
+        written, removed = _write_set(request, work, ids, hashes, matrix, stats.skipped)
         outcomes.append(
             SetOutcome(
                 name=work.name,
@@ -139,46 +225,64 @@ def embed_shard(request: ShardRequest) -> ShardResult:
                 written=written,
             )
         )
+    stats.add_seconds("write", time.perf_counter() - tick)
     release_freed_memory()
     return ShardResult(
-        shard=shard.id,
-        rows=len(ids),
-        embedded=embedded_rows,
-        skipped=skipped,
-        sets=outcomes,
-        stats=stats,
-        seconds=time.perf_counter() - started,
+        shard=shard.id, sets=outcomes, stats=stats, seconds=time.perf_counter() - started
     )
 
 
-def _fill(chunk: Chunk, embedder, names, previous, vectors, counts, stats) -> int:
-    """Vectors of one chunk for every set: reused where id and hash match, else embedded."""
-    ids = chunk.ids.to_pylist()
-    hashes = chunk.hashes.tolist()
-    found = {n: [previous[n].lookup(i, h) for i, h in zip(ids, hashes, strict=True)] for n in names}
-    need = [r for r in range(len(ids)) if any(found[n][r] is None for n in names)]
-    fresh: dict[str, np.ndarray] = {}
-    for start in range(0, len(need), EMBED_ROWS):
-        rows = need[start : start + EMBED_ROWS]
-        out = embedder.embed(TextBatch([ids[r] for r in rows], [chunk.texts[r] for r in rows]))
-        for key, value in out.stats.items():
-            stats[key] = stats.get(key, 0) + int(value)
-        for n in names:
-            fresh.setdefault(n, []).append(out.vectors[n])
-    dims = embedder.dims()
-    position = {r: k for k, r in enumerate(need)}
-    for n in names:
-        new = np.concatenate(fresh[n]) if n in fresh else np.zeros((0, dims[n]), np.float32)
-        matrix = np.empty((len(ids), dims[n]), np.float32)
-        for r, vec in enumerate(found[n]):
-            if vec is None:
-                matrix[r] = new[position[r]]
-                counts[n][0] += 1
-            else:
-                matrix[r] = vec
-                counts[n][1] += 1
-        vectors[n].append(matrix)
-    return len(need)
+def _id_type(request: ShardRequest) -> pa.DataType:
+    from pipeline.corpus import arrow_id_type
+
+    return arrow_id_type(request.id_type)
+
+
+def _read_slices(request, embedder, previous, stats: ShardStats, quarantine) -> Iterator[_Slice]:
+    """Stage 1 (runs ahead in a thread): read, validate, look up, dedupe and tokenize."""
+    job, shard = request.job, request.shard
+    chunks = read_shard(
+        shard, job.id_column, job.text_column, request.id_type, frozenset(request.drop_rows)
+    )
+    seen = _Seen()
+    while True:
+        tick = time.perf_counter()
+        chunk = next(chunks, None)
+        if chunk is None:
+            return
+        stats.add_skipped(chunk.skipped)
+        stats.rows += len(chunk.ids)
+        if job.quarantine and chunk.skipped_rows:
+            quarantine.append(_quarantine_table(shard, chunk))
+        stats.add_seconds("read", time.perf_counter() - tick)
+        for start in range(0, len(chunk.ids), EMBED_ROWS):
+            tick = time.perf_counter()
+            ids = chunk.ids.slice(start, EMBED_ROWS)
+            hashes = chunk.hashes[start : start + EMBED_ROWS]
+            found = {name: prev.lookup(ids, hashes) for name, prev in previous.items()}
+            need = np.flatnonzero(np.logical_or.reduce([f < 0 for f in found.values()]))
+            source, encode = seen.assign(hashes[need])
+            unique = need[encode]
+            stats.add_seconds("read", time.perf_counter() - tick)
+            tick = time.perf_counter()
+            tokens = embedder.tokenize([chunk.texts[start + r] for r in unique.tolist()])
+            stats.add_seconds("tokenize", time.perf_counter() - tick)
+            yield _Slice(ids, hashes, found, need, unique, source, tokens)
+
+
+def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _Previous
+              ) -> np.ndarray:
+    """A slice's vectors for one set: stored ones where found, else the encoded ones."""
+    matrix = np.empty((len(found), encoded.shape[1]), np.float32)
+    if len(piece.need):
+        matrix[piece.need] = encoded[piece.source]
+    hit = found >= 0
+    if hit.any():
+        matrix[hit] = previous.vectors[found[hit]]
+    return matrix
+
+
+# ---- set IO: writing -----------------------------------------------------------------------
 
 
 def _write_set(request, work, ids, hashes, matrix, skipped) -> tuple[bool, int]:
@@ -202,7 +306,7 @@ def _write_set(request, work, ids, hashes, matrix, skipped) -> tuple[bool, int]:
     )
     unchanged = (
         work.prior is not None
-        and old_ids.to_pylist() == ids.to_pylist()
+        and (len(old_ids) == len(ids) == 0 or old_ids.equals(ids))
         and np.array_equal(old_hashes, hashes)
         and (len(ids) == 0 or folder.has_part(shard.id))
     )
@@ -211,8 +315,10 @@ def _write_set(request, work, ids, hashes, matrix, skipped) -> tuple[bool, int]:
         if refreshed != work.prior:
             folder.write_marker(refreshed)
         return False, 0
-    new = set(ids.to_pylist())
-    removed = [i for i in old_ids.to_pylist() if i not in new]
+    removed = (  # no stored ids: an empty array of null type
+        old_ids.filter(pc.invert(pc.is_in(old_ids, value_set=ids))).to_pylist()
+        if len(old_ids) else []
+    )
     folder.record_removed(generation, shard.id, removed)
     faults.hit("write_part", f"{shard.id}/{work.name}")
     if len(ids):

@@ -40,6 +40,8 @@ def choose_dtype(dtype: str, device: torch.device, cosine_to_fp32: Callable[[str
     on_cuda = device.type == "cuda"
     if dtype == "fp16" and not on_cuda:
         raise ConfigError("dtype fp16 needs a CUDA device; use bf16 or fp32 on a CPU")
+    if dtype == "int8" and on_cuda:
+        raise ConfigError("dtype int8 is a CPU path; use bf16 or fp16 on a CUDA device")
     if dtype == "bf16" and not on_cuda and not cpu_profile()["bf16_ok"]:
         raise ConfigError("dtype bf16 does not run on this CPU; use fp32")
     if dtype != "auto":

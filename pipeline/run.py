@@ -24,6 +24,7 @@ from pipeline.errors import CorpusError
 from pipeline.job import SetWork, ShardRequest, ShardResult
 from pipeline.sets import SetFolder, SetMeta, ShardMarker, part_name
 from pipeline.shards import Shard, plan_shards
+from pipeline.stats import ShardStats
 
 
 class RunPlan(BaseModel):
@@ -54,6 +55,7 @@ class RunSummary(BaseModel):
     skipped: dict[str, int]
     generation: dict[str, int]
     seconds: float = 0.0
+    stats: ShardStats = ShardStats()  # this run's shards added up
 
     @property
     def docs_per_s(self) -> float:
@@ -68,6 +70,8 @@ class RunSummary(BaseModel):
             f"{self.shards_run}/{self.shards} shards run in {self.seconds:.1f}s, "
             f"{self.docs_per_s:,.0f} docs/s; skipped {skipped:,} rows"
             + (f" ({why})" if why else "")
+            + (f"; {self.stats.duplicates:,} duplicate texts encoded once"
+               if self.stats.duplicates else "")
         )
 
 
@@ -172,6 +176,7 @@ def _set_work(shard: Shard, markers: dict[str, ShardMarker], name: str) -> SetWo
 def finalize(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSummary:
     """Retire shards gone from the plan, write the changes file and ``_SET.json`` per set."""
     job = plan.job
+    total = ShardStats.total(r.stats for r in results)
     planned = {s.id for s in plan.shards}
     final_gen, rows, skipped, deleted_counts = {}, 0, {}, []
     for spec in job.poolers:
@@ -205,12 +210,13 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSu
         shards=len(plan.shards),
         shards_run=len(results),
         rows=rows,
-        embedded=sum(r.embedded for r in results),
-        reused=_reused(results),
+        embedded=total.embedded,
+        reused=total.reused,
         removed=max(deleted_counts, default=0),
         skipped=skipped,
         generation=final_gen,
         seconds=seconds,
+        stats=total,
     )
 
 
@@ -243,7 +249,3 @@ def _add_counts(counts: list[dict[str, int]]) -> dict[str, int]:
         for k, v in c.items():
             total[k] = total.get(k, 0) + v
     return total
-
-
-def _reused(results: list[ShardResult]) -> int:
-    return sum(max((s.reused for s in r.sets), default=0) for r in results)

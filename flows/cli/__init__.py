@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 
+from flows.runtime import prepare
 from pipeline.errors import EmbedpipeError
 
 COMMAND_MODULES = (
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.settings import load_settings
 
         load_settings().export_env()
+        prepare(args.command)  # threads; one reused Prefect API instead of one per run
         return int(args.func(args) or 0)
     except EmbedpipeError as exc:
         print(f"embedpipe {args.command}: error: {exc}", file=sys.stderr)

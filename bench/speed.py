@@ -1,0 +1,165 @@
+"""Start-up, tiny-encoder throughput and peak memory of `embedpipe embed`: two code trees, one run.
+
+    python bench/speed.py --before /work/main --after . --rows 20000 200000
+
+Runs the real command line (``python -m flows.cli embed``) in child processes with
+``PYTHONPATH`` set to each tree, so both are measured on the same machine in the same minutes
+and the ratios between them hold even where the machine is shared and noisy. For each tree:
+
+* start-up: a 300-row corpus end to end (the fixed cost of a run), then a rerun with nothing
+  to do; the "after" tree also once with its local Prefect server already running;
+* tiny encoder (2 layers, 32 wide): wall seconds, docs/s end to end and peak RSS (the
+  child's ``ru_maxrss``) at each row count, and the 200k/20k peak ratio (flat memory);
+* the fp32 matmul GFLOP/s of this machine, measured in the same run, and the CPU flags.
+
+Prints one JSON object per measurement and a summary table. Never a timed test: a script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pypi_summaries_200k.parquet"
+
+
+def cpu_flags() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    names = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    found = {f for f in names if re.search(rf"\b{f}\b", text)}
+    return " ".join(sorted(found)) or "none of avx2/avx512f/avx512_bf16/amx_bf16"
+
+
+def matmul_gflops(seconds: float = 3.0) -> float:
+    """fp32 GFLOP/s of a 1024^3 matmul on all of torch's threads (best of a few)."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = 0.0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * 1024**3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def tiny_model(folder: Path) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import build_tiny_bert
+
+    return build_tiny_bert(folder)
+
+
+def corpus(folder: Path, rows: int) -> Path:
+    import pyarrow.parquet as pq
+
+    path = folder / f"corpus_{rows}.parquet"
+    if not path.exists():
+        table = pq.read_table(DATA).slice(0, rows)
+        pq.write_table(table, path, row_group_size=min(rows, 20_000))
+    return path
+
+
+def embed(tree: Path, corpus_path: Path, out: Path, model: Path, env: dict) -> dict:
+    """One CLI run: wall seconds, docs/s, peak RSS of the CLI process (wait4), its summary."""
+    cmd = [sys.executable, "-m", "flows.cli", "embed", str(corpus_path), str(out),
+           "--model", str(model)]
+    started = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        proc = subprocess.Popen(cmd, cwd=tree, env=env | {"PYTHONPATH": str(tree)},
+                                stdout=so, stderr=se, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - started
+        so.seek(0)
+        se.seek(0)
+        line, err = so.read().strip(), se.read().strip()
+    code = os.waitstatus_to_exitcode(status)
+    rows = int(line.split()[1].replace(",", "")) if line.startswith("embedded") else 0
+    return {"exit": code, "wall_s": round(wall, 2), "rows": rows,
+            "docs_per_s": round(rows / wall, 1) if wall else 0.0,
+            "peak_rss_mb": round(usage.ru_maxrss / 1024), "line": line[-300:],
+            "error": err[-300:] if code else ""}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, required=True, help="code tree to compare to")
+    parser.add_argument("--after", type=Path, default=Path("."), help="code tree measured")
+    parser.add_argument("--rows", type=int, nargs="+", default=[20_000, 200_000])
+    parser.add_argument("--work", type=Path, default=None, help="scratch folder")
+    parser.add_argument("--no-startup", action="store_true", help="skip the start-up runs")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="embedpipe-speed-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "tiny"
+    if not (model / "config.json").exists():
+        tiny_model(model)
+    flags = cpu_flags()
+    peak = matmul_gflops()
+    report: dict = {"cpu_flags": flags, "fp32_matmul_gflops": round(peak, 1),
+                    "cores": os.cpu_count(), "load_avg": os.getloadavg()}
+    print(json.dumps(report), flush=True)
+    base_env = dict(os.environ) | {"EMBEDPIPE_CACHE": str(work / "cache"),
+                                   "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    base_env.pop("PREFECT_API_URL", None)
+    small = corpus(work, 300)
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    for label, tree in trees.items() if not args.no_startup else []:
+        out = work / f"out-{label}-300"
+        shutil.rmtree(out, ignore_errors=True)
+        runs = {"first": embed(tree, small, out, model, base_env)}
+        runs["nothing_to_do"] = embed(tree, small, out, model, base_env)
+        if label == "after":  # the server the first run started is reused now
+            shutil.rmtree(out, ignore_errors=True)
+            runs["server_reused"] = embed(tree, small, out, model, base_env)
+        report[f"startup_{label}"] = runs
+        print(json.dumps({f"startup_{label}": runs}), flush=True)
+    for rows in args.rows:
+        path = corpus(work, rows)
+        for label, tree in trees.items():
+            out = work / f"out-{label}-{rows}"
+            shutil.rmtree(out, ignore_errors=True)
+            result = embed(tree, path, out, model, base_env)
+            shutil.rmtree(out, ignore_errors=True)
+            report[f"tiny_{label}_{rows}"] = result
+            print(json.dumps({f"tiny_{label}_{rows}": result}), flush=True)
+    print(summary(report, trees, args.rows, flags, not args.no_startup))
+    (work / "speed.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def summary(report: dict, trees: dict, rows: list[int], flags: str, startup: bool) -> str:
+    lines = [f"CPU flags: {flags}; fp32 matmul {report['fp32_matmul_gflops']} GFLOP/s; "
+             f"load average at start {report['load_avg'][0]:.1f} on {report['cores']} cores"]
+    for label in trees if startup else []:
+        s = report[f"startup_{label}"]
+        lines.append(f"{label:6} start-up: 300 rows {s['first']['wall_s']}s, nothing to do "
+                     f"{s['nothing_to_do']['wall_s']}s"
+                     + (f", server reused {s['server_reused']['wall_s']}s" if "server_reused" in s
+                        else ""))
+    for n in rows:
+        b, a = report[f"tiny_before_{n}"], report[f"tiny_after_{n}"]
+        ratio = a["docs_per_s"] / b["docs_per_s"] if b["docs_per_s"] else float("nan")
+        lines.append(f"tiny {n:>7} rows: before {b['docs_per_s']} docs/s {b['peak_rss_mb']} MB; "
+                     f"after {a['docs_per_s']} docs/s {a['peak_rss_mb']} MB; speed x{ratio:.2f}")
+    if len(rows) >= 2:
+        lo, hi = min(rows), max(rows)
+        for label in trees:
+            r = report[f"tiny_{label}_{hi}"]["peak_rss_mb"] / report[f"tiny_{label}_{lo}"][
+                "peak_rss_mb"]
+            lines.append(f"{label:6} peak RSS {hi}/{lo} rows: x{r:.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Prefect's API for the command line: one local server, started once and reused by later runs.
+
+Without ``PREFECT_API_URL`` Prefect 3 starts a temporary API server in every process (a uvicorn
+subprocess that migrates its SQLite database before it answers the first request): seconds of
+fixed cost on every run. The CLI instead starts that same server (``create_app`` in Prefect's
+ephemeral mode: no UI, no background services) once, detached, records its pid and port under
+the cache dir, and points ``PREFECT_API_URL`` at it; a later run finds it healthy with one HTTP
+GET. The server stops by itself after ``IDLE_S`` seconds in which no run touched its record.
+
+The CLI opts in (``EMBEDPIPE_PREFECT_SERVER=local``, set by ``prepare``); the server is started
+only when a flow is about to run, after the input was checked, so bad input still fails in
+seconds. Python callers keep Prefect's own per-process server unless they set the variable to
+``local``. An API URL the user configured (environment, profile, test harness) always wins, and
+``EMBEDPIPE_PREFECT_SERVER=ephemeral`` keeps Prefect's own per-process server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeline.errors import EmbedpipeError
+
+MODE_ENV = "EMBEDPIPE_PREFECT_SERVER"  # "local" (the CLI's default) or "ephemeral"
+IDLE_S = 1800  # the server exits after this long without a run
+IDLE_ENV = "EMBEDPIPE_PREFECT_IDLE_S"
+START_TIMEOUT_S = 180  # a hang guard: a busy machine migrates the database slowly
+RECORD = "prefect-server.json"
+FLOW_COMMANDS = ("embed", "backfill", "index", "demo")  # CLI commands that run Prefect flows
+
+
+class PrefectServerError(EmbedpipeError):
+    """The local Prefect server did not start."""
+
+
+def prepare(command: str) -> None:
+    """Everything the CLI sets up once before running ``command``.
+
+    OpenMP threads that spin while waiting (the default) make small kernels many times slower
+    when other processes share the cores; passive waiting costs little on big matmuls.
+    Set before torch loads OpenMP; a user's own ``OMP_WAIT_POLICY`` wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if command in FLOW_COMMANDS:
+        os.environ.setdefault(MODE_ENV, "local")  # started by use_local_server, when needed
+
+
+def use_local_server() -> str | None:
+    """Point Prefect at the reused local server (starting it if needed); returns its API URL.
+
+    Does nothing (returns None) unless the mode is ``local``, or when an API URL is already
+    configured.
+    """
+    if os.environ.get(MODE_ENV) != "local" or _configured_api_url():
+        return None
+    root = _cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / "prefect-server.lock"):
+        url = _healthy_record(root / RECORD)
+        if url is None:
+            url = _start(root / RECORD)
+    os.environ["PREFECT_API_URL"] = url
+    return url
+
+
+def _configured_api_url() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
+
+
+def _identity() -> dict[str, str]:
+    """What a reusable server must match: the Prefect version and its database."""
+    import prefect
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    return {
+        "prefect": prefect.__version__,
+        "database": str(settings.server.database.connection_url or settings.home),
+        "python": sys.executable,
+    }
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One CLI at a time checks and starts the server (a second one then reuses it)."""
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _healthy_record(record: Path) -> str | None:
+    """The recorded server's API URL if it is alive, ours and answering; touches the record."""
+    try:
+        data = json.loads(record.read_text())
+        pid, port = int(data["pid"]), int(data["port"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if data.get("identity") != _identity() or not _alive(pid):
+        return None
+    url = f"http://127.0.0.1:{port}/api"
+    if not _healthy(url):
+        return None
+    os.utime(record)  # this run keeps the server from idling out
+    return url
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _healthy(url: str, timeout: float = 2.0) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start(record: Path) -> str:
+    """Start the server detached (its own session, so it outlives this process)."""
+    from prefect.settings import get_current_settings
+
+    port = _free_port()
+    env = {
+        **os.environ,
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",  # no scheduler or other services
+        "PREFECT__SERVER_FINAL": "1",
+    }
+    env.pop("PREFECT_API_URL", None)
+    log = open(record.with_suffix(".log"), "ab")  # noqa: SIM115  (handed to the child)
+    with log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.runtime", str(port), str(record)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _healthy(url, timeout=1.0):
+        if proc.poll() is not None:
+            raise PrefectServerError(
+                f"the local Prefect server exited with code {proc.returncode} "
+                f"(log: {record.with_suffix('.log')})"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise PrefectServerError(
+                f"the local Prefect server did not answer within {START_TIMEOUT_S}s "
+                f"(log: {record.with_suffix('.log')})"
+            )
+        time.sleep(0.1)
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": proc.pid, "port": port, "identity": _identity()}))
+    tmp.replace(record)
+    return url
+
+
+def _serve(port: int, record: Path, idle_s: float = IDLE_S) -> None:
+    """The server process: Prefect's API app under uvicorn, until idle for ``idle_s``."""
+    import uvicorn
+    from prefect.server.api.server import create_app
+
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(ephemeral=True), host="127.0.0.1", port=port,
+                       log_level="error", lifespan="on")
+    )
+
+    def watch() -> None:
+        while not server.started:  # a slow start is not idle time
+            time.sleep(0.5)
+        serving = time.time()
+        while not server.should_exit:
+            time.sleep(min(30.0, idle_s / 4))
+            server.should_exit = _orphaned(record, serving, idle_s)
+
+    threading.Thread(target=watch, daemon=True).start()
+    server.run()
+
+
+def _orphaned(record: Path, serving: float, idle_s: float) -> bool:
+    """Idle for ``idle_s`` since it began serving or the last run touched the record, or the
+    record is gone or names another server (then no run will find this one)."""
+    try:
+        data = json.loads(record.read_text())
+        last = record.stat().st_mtime
+    except (OSError, ValueError):  # gone, or not written yet by the starting CLI
+        return time.time() - serving > idle_s
+    if data.get("pid") != os.getpid():
+        return time.time() - serving > idle_s
+    return time.time() - max(serving, last) > idle_s
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), Path(sys.argv[2]), float(os.environ.get(IDLE_ENV, IDLE_S)))

@@ -1,0 +1,88 @@
+"""The CLI's reused local Prefect server: started once, reused, left alone when configured."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CALL = "from flows.runtime import use_local_server; print(use_local_server())"
+
+
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PREFECT_API_URL", None)
+    env.update(
+        PYTHONPATH=str(REPO),
+        EMBEDPIPE_CACHE=str(tmp / "cache"),
+        PREFECT_HOME=str(tmp / "prefect"),
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp / 'prefect.db'}",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        **extra,
+    )
+    return env
+
+
+def _call(env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", CALL], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_server_is_started_once_reused_and_idles_out(tmp_path: Path) -> None:
+    env = _env(tmp_path, EMBEDPIPE_PREFECT_IDLE_S="60", EMBEDPIPE_PREFECT_SERVER="local")
+    record = tmp_path / "cache" / "prefect-server.json"
+    url = _call(env)
+    pid = json.loads(record.read_text())["pid"]
+    try:
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/api")
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        assert _call(env) == url  # found healthy and reused: no second server
+        assert json.loads(record.read_text())["pid"] == pid
+        deadline = time.monotonic() + 300  # a hang guard only
+        while _alive(pid) and not _zombie(pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(pid) or _zombie(pid), "the idle server did not exit"
+        fresh = _call(env)  # a dead record: a new server on a new port
+        assert json.loads(record.read_text())["pid"] != pid
+        assert httpx.get(f"{fresh}/health", timeout=10).status_code == 200
+    finally:
+        for p in {pid, json.loads(record.read_text())["pid"]}:
+            if _alive(p):
+                os.kill(p, signal.SIGTERM)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_configured_api_url_ephemeral_mode_or_a_python_caller_starts_nothing(
+        tmp_path: Path) -> None:
+    local = {"EMBEDPIPE_PREFECT_SERVER": "local"}
+    assert _call(_env(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api", **local)) == "None"
+    assert _call(_env(tmp_path, EMBEDPIPE_PREFECT_SERVER="ephemeral")) == "None"
+    env = _env(tmp_path)
+    env.pop("EMBEDPIPE_PREFECT_SERVER", None)  # a Python caller: Prefect's own server
+    assert _call(env) == "None"
+    assert not (tmp_path / "cache" / "prefect-server.json").exists()

@@ -1,0 +1,121 @@
+"""Shard stages: the prefetch thread, ShardStats, duplicates encoded once, reuse by join."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.embedder import get_embedder
+from pipeline.stages import prefetch
+from pipeline.stats import ShardStats
+from tests._flowkit import job, read_set, run_library, text_for, write_corpus
+
+
+def test_prefetch_yields_in_order_and_runs_ahead_at_most_depth() -> None:
+    produced: list[int] = []
+
+    def items():
+        for i in range(10):
+            produced.append(i)
+            yield i
+
+    seen = []
+    for value in prefetch(items(), depth=2):
+        time.sleep(0.02)  # the producer fills the queue meanwhile
+        # at most depth values queued + one being put + the one we hold
+        assert len(produced) - len(seen) <= 4
+        seen.append(value)
+    assert seen == list(range(10))
+
+
+def test_prefetch_raises_the_producer_error_at_its_position() -> None:
+    def items():
+        yield 1
+        yield 2
+        raise ValueError("bad row group")
+
+    got = []
+    with pytest.raises(ValueError, match="bad row group"):
+        for value in prefetch(items()):
+            got.append(value)
+    assert got == [1, 2]
+
+
+def test_prefetch_stops_the_producer_when_the_consumer_stops() -> None:
+    produced = []
+
+    def items():
+        for i in range(1_000_000):
+            produced.append(i)
+            yield i
+
+    stream = prefetch(items(), depth=1)
+    assert next(stream) == 0
+    stream.close()  # joins the producer thread
+    assert len(produced) < 10
+    assert not any(t.name == "prefetch" for t in threading.enumerate())
+
+
+def test_stats_total_adds_every_count_and_stage() -> None:
+    a = ShardStats(rows=3, embedded=2, encoded=1, duplicates=1, reused=1, tokens=10,
+                   windows=1, truncated=0, skipped={"null_text": 1},
+                   seconds={"read": 1.0, "encode": 2.0})
+    b = ShardStats(rows=5, embedded=5, encoded=5, tokens=20, windows=6, truncated=1,
+                   skipped={"null_text": 2, "empty_text": 1}, seconds={"encode": 0.5})
+    total = ShardStats.total([a, b])
+    assert (total.rows, total.embedded, total.encoded, total.duplicates, total.reused) == (
+        8, 7, 6, 1, 1)
+    assert (total.tokens, total.windows, total.truncated) == (30, 7, 1)
+    assert total.skipped == {"null_text": 3, "empty_text": 1}
+    assert total.seconds == {"read": 1.0, "encode": 2.5}
+    assert total.stage_line() == "read 1.0s, encode 2.5s"
+
+
+def test_identical_texts_share_one_forward_pass(tmp_path: Path, tiny_model_dir: Path) -> None:
+    n = 60
+    texts = [text_for(i % 7) for i in range(n)]  # 7 distinct texts, 53 repeats
+    texts[5] = None  # skipped, not a duplicate
+    corpus = write_corpus(tmp_path / "c.parquet", list(range(n)), texts, row_group_size=25)
+    spec = job(corpus, tmp_path / "out", tiny_model_dir, rows_per_shard=1000)
+    summary = run_library(spec)
+    assert summary.embedded == n - 1
+    assert summary.stats.encoded == 7
+    assert summary.stats.duplicates == n - 1 - 7
+    assert summary.skipped == {"null_text": 1}
+    assert "duplicate texts encoded once" in summary.line()
+    assert set(summary.stats.seconds) == {"read", "tokenize", "encode", "write"}
+    vectors = read_set(tmp_path / "out", "mean")
+    embedder = get_embedder(*_encoder_and_poolers(spec))
+    alone = embedder.encode([text_for(i) for i in range(7)])
+    for i, vec in vectors.items():
+        np.testing.assert_allclose(vec, alone[i % 7], atol=1e-5)
+
+
+def test_rerun_reuses_by_id_and_hash_and_embeds_only_changes(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    n = 50
+    texts = [text_for(i) for i in range(n)]
+    corpus = write_corpus(tmp_path / "c.parquet", list(range(n)), texts, row_group_size=20)
+    spec = job(corpus, tmp_path / "out", tiny_model_dir, rows_per_shard=20)
+    run_library(spec)
+    before = read_set(tmp_path / "out", "mean")
+    texts[3] = "a changed text"
+    write_corpus(corpus, list(range(n)), texts, row_group_size=20)
+    summary = run_library(spec, verify=True)
+    assert summary.embedded == 1 and summary.reused == n - 1
+    after = read_set(tmp_path / "out", "mean")
+    assert after.keys() == before.keys()
+    assert all(np.array_equal(after[i], before[i]) for i in after if i != 3)
+    assert not np.allclose(after[3], before[3])
+
+
+def _encoder_and_poolers(spec: dict):
+    from pipeline.config import EmbedJob, parse
+
+    parsed = parse(EmbedJob, spec, "job")
+    return parsed.encoder, parsed.poolers
