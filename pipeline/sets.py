@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
 from pipeline.errors import FingerprintError, StorageError
@@ -148,14 +148,9 @@ class SetFolder:
     def read_meta(self) -> SetMeta | None:
         """``_SET.json``, checked to describe this folder's set; None when there is none."""
         url = self.meta_url
-        if not storage.exists(url):
+        meta = storage.read_model(url, SetMeta, "a set description")
+        if meta is None:
             return None
-        try:
-            meta = SetMeta.model_validate(storage.read_json(url))
-        except ValidationError as exc:
-            raise StorageError(
-                f"{url} is not a set description: {exc.errors()[0]['msg']}"
-            ) from None
         if meta.name != self.name:
             raise StorageError(
                 f"{url} names set {meta.name[:80]!r}, not {self.name!r}: it was not written "
@@ -360,12 +355,9 @@ class SetFolder:
         """``_changes/<generation>.json`` with its part names checked, or None when that run
         left no changes file."""
         url = self.changes_url(generation)
-        if not storage.exists(url):
+        changes = storage.read_model(url, SetChanges, "a changes file")
+        if changes is None:
             return None
-        try:
-            changes = SetChanges.model_validate(storage.read_json(url))
-        except ValidationError as exc:
-            raise StorageError(f"{url} is not a changes file: {exc.errors()[0]['msg']}") from None
         for name in changes.parts:
             file_name(name, url)
         return changes

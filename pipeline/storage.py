@@ -30,13 +30,17 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
+from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import StorageError
+
+M = TypeVar("M", bound=BaseModel)
 
 _S3_SCHEMES = ("s3://", "s3a://")
 _ENDPOINT_VARS = ("EMBEDPIPE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -221,6 +225,17 @@ def read_json(url: str) -> dict:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise StorageError(f"{url} is not valid JSON: {exc}") from None
+
+
+def read_model(url: str, model: type[M], what: str) -> M | None:
+    """A JSON file validated into ``model`` (None when there is no file): one line naming
+    ``url`` and ``what`` it should be when it is not."""
+    if not exists(url):
+        return None
+    try:
+        return model.model_validate(read_json(url))
+    except ValidationError as exc:
+        raise StorageError(f"{url} is not {what}: {exc.errors()[0]['msg']}") from None
 
 
 def write_json(url: str, payload: dict) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from _search_sets import TEXTS, embedded_set
+from _serve import serving
 
 import embedpipe
 from flows.cli import main
@@ -224,43 +224,20 @@ def test_eval_k5_labels_values_exact_index_and_ranks_file(tmp_path, tiny_model_d
 
 # --- query --url: a running server answers ------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_query_url_asks_a_running_server(tmp_path, tiny_model_dir):
-    import httpx
-
     out = embedded_set(tmp_path, tiny_model_dir)
     index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
-    port = _free_port()
-    env = ENV | {"EMBEDPIPE_API_KEY": "test-key-123"}  # sent as a Bearer token by the client
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(out), "--port",
-                             str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180  # a hang guard, not a timing
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.5)
+    env = ENV | {"EMBEDPIPE_API_KEY": "test-key-123"}  # the server needs it; the client sends it
+    with serving(out, env=env) as (base, _, _):
         done, _ = _cli("query", "--url", base, TEXTS[4], "-k", "2", "--json", env=env)
         assert done.returncode == 0, done.stderr
         answer = json.loads(done.stdout)
         assert answer["set"] == "mean" and answer["query"] == TEXTS[4]
         assert [h["id"] for h in answer["results"]][0] == 104
         assert answer["results"][0]["snippet"] == TEXTS[4]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        refused, _ = _cli("query", "--url", base, TEXTS[4], env=ENV)  # no key: 401, one line
+        assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
     done, _ = _cli("query", "--url", base, "anything")
     assert done.returncode == 1
     (line,) = done.stderr.strip().splitlines()

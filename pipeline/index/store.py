@@ -24,7 +24,7 @@ from pathlib import Path
 
 import faiss
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
 from pipeline.errors import StorageError
@@ -78,13 +78,8 @@ def index_url(out: str, name: str) -> str:
 def read_meta(out: str, name: str) -> IndexMeta | None:
     """The validated ``_INDEX.json`` of set ``name``, or None when it has no index."""
     url = storage.join(index_url(out, set_name(name)), MARKER)
-    if not storage.exists(url):
-        return None
-    try:
-        meta = IndexMeta.model_validate(storage.read_json(url))
-    except ValidationError as exc:
-        raise StorageError(f"{url} is not an index description: {exc.errors()[0]['msg']}") from None
-    return _checked(meta, name, url)
+    meta = storage.read_model(url, IndexMeta, "an index description")
+    return None if meta is None else _checked(meta, name, url)
 
 
 def _checked(meta: IndexMeta, name: str, url: str) -> IndexMeta:
