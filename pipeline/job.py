@@ -11,7 +11,6 @@ hashes are unchanged is not rewritten. What the shard did goes into one ``ShardS
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -343,17 +342,17 @@ def _quarantine_table(shard: Shard, chunk: Chunk) -> pa.Table:
     )
 
 
-_THREADS_SET = threading.Event()
-
-
 def limit_threads(workers: int) -> None:
-    """Share the cores between workers: torch threads = cores // workers, once per process."""
-    if _THREADS_SET.is_set():
-        return
+    """Share the cores between a job's workers: torch threads = cores // workers.
+
+    Set for every shard, not once per process: a process that runs several jobs (a test run,
+    a notebook) must not keep an earlier job's count, or the same job's vectors would differ
+    in their last bits between a fresh process and a used one."""
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
-    _THREADS_SET.set()
+    wanted = max(1, (os.cpu_count() or 1) // max(1, workers))
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
 
 
 def release_freed_memory() -> None:

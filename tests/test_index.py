@@ -213,9 +213,11 @@ _OUT_OF_MEMORY = """
 import resource, sys
 from pipeline.errors import EmbedpipeError
 from pipeline.index import IndexRequest, index_set, setdata
+from pipeline.sets import SetFolder
 out = sys.argv[1]
-info = setdata.read_set(out, "s")
-for _ in setdata.iter_batches(setdata.list_parts(out, info), info.dim, 10_000):
+folder = SetFolder(out, "s")
+info = folder.meta()
+for _ in setdata.iter_batches(setdata.list_parts(folder, info.dim), info.dim, 10_000):
     pass  # IO threads and buffers exist before the limit
 vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize"))
 limit = vm * 1024 + (100 << 20)  # 100 MB more: far below the flat index of 400k x 64

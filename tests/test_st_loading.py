@@ -167,19 +167,16 @@ def test_the_fingerprint_follows_prompts_and_max_length(headed: Path) -> None:
 
 
 def test_the_default_set_is_the_models_own(headed: Path, tiny_model_dir: Path) -> None:
-    from flows.cli import build_parser
-    from flows.cli.embed import build_job
+    from pipeline.assembly import build_job
 
     assert [p.name for p in EmbedJob(corpus="c", out="o").poolers] == ["model"]  # MiniLM
     plain = EmbedJob(corpus="c", out="o", encoder={"model": str(tiny_model_dir)})
     assert [p.name for p in plain.poolers] == ["mean"]
     elsewhere = EmbedJob(corpus="c", out="o", encoder={"model": "/models/on-the-workers"})
     assert [p.name for p in elsewhere.poolers] == ["model"]  # defined for any folder
-    args = build_parser().parse_args(["embed", "c", "o", "--model", str(headed)])
-    assert [p.name for p in build_job(args).poolers] == ["model"]
-    args = build_parser().parse_args(["embed", "c", "o", "--model", str(headed),
-                                      "--pooler", "mean"])
-    assert [p.name for p in build_job(args).poolers] == ["mean"]
+    assert [p.name for p in build_job("c", "o", model=str(headed)).poolers] == ["model"]
+    job = build_job("c", "o", poolers=["mean"], model=str(headed))
+    assert [p.name for p in job.poolers] == ["mean"]
 
 
 def test_prompt_names_are_checked(headed: Path) -> None:
@@ -233,12 +230,11 @@ def test_the_default_set_follows_the_model_installation_settings_choose(
 ) -> None:
     """The CLI leaves the set to the job: once EMBEDPIPE_MODEL fills in a plain folder, the
     default set is ``mean``, not the packaged MiniLM's ``model``."""
-    from flows.cli import build_parser
-    from flows.cli.embed import build_job
+    from pipeline.assembly import build_job
     from pipeline.config import parse
     from pipeline.settings import load_settings
 
-    job = build_job(build_parser().parse_args(["embed", "c", "o"]))
+    job = build_job("c", "o")
     dumped = job.model_dump(mode="json", exclude_unset=True)
     assert "poolers" not in dumped and [p.name for p in job.poolers] == ["model"]
     monkeypatch.setenv("EMBEDPIPE_MODEL", str(tiny_model_dir))

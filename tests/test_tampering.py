@@ -370,7 +370,7 @@ def test_the_operator_named_corpus_wins_and_is_checked_too(indexed, tmp_path, ca
 @pytest.mark.slow
 def test_the_server_hands_out_no_snippets_from_another_file(indexed, tmp_path):
     import httpx
-    from test_server import free_port
+    from _serve import free_port
 
     out = copy_out(indexed, tmp_path)
     edit_set(out, **snippet_attacks(tmp_path)["another file"])
@@ -388,7 +388,7 @@ def test_the_server_hands_out_no_snippets_from_another_file(indexed, tmp_path):
     assert [r["id"] for r in body["results"][0][:1]] == [100]
     assert SECRET not in json.dumps(body)
     assert all(r["snippet"] is None for r in body["results"][0])
-    assert "note: no snippets for set 'mean'" in err and "is not the set's corpus" in err
+    assert "no snippets for set 'mean'" in err and "is not the set's corpus" in err
 
 
 def _search_when_up(proc: subprocess.Popen, base: str, httpx) -> dict:
