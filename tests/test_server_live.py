@@ -129,8 +129,8 @@ def test_the_poller_thread_swaps_within_its_interval_and_stops(first_generation)
 
 
 def _cli(*commands: list[str]) -> str:
-    """``embedpipe`` commands run one after another in ONE Python subprocess (one Prefect
-    start), the way a nightly job would run them; returns the script for ``python -c``."""
+    """``embedpipe`` commands run one after another in ONE Python subprocess; returns the
+    script for ``python -c``."""
     calls = "; ".join(f"assert main({c!r}) == 0, {c[0]!r}" for c in commands)
     return f"from flows.cli import main; {calls}"
 
@@ -156,7 +156,7 @@ def _hammer(base: str, stop: threading.Event, statuses: list, latencies: list) -
 
 
 @pytest.mark.slow
-def test_serve_answers_throughout_embed_and_index_and_then_serves_the_new_rows(
+def test_serve_answers_throughout_embed_index_and_then_serves_the_new_rows(
         tmp_path, tiny_model_dir):
     import subprocess
     import sys
@@ -168,11 +168,10 @@ def test_serve_answers_throughout_embed_and_index_and_then_serves_the_new_rows(
     _write_corpus(corpus / "a.parquet", list(range(40)),
                   [f"document number {i} about topic {i % 7}" for i in range(40)])
     embed = ["embed", str(corpus), str(out), "--model", str(tiny_model_dir), "--dtype", "fp32",
-             "--device", "cpu"]
-    index = ["index", str(out)]
-    run_cli = [sys.executable, "-c", _cli(embed, index)]
+             "--device", "cpu", "--index"]  # embed, then index catch-up, in one flow run
 
-    def embed_and_index() -> None:
+    def embed_and_index(*extra: str) -> None:
+        run_cli = [sys.executable, "-c", _cli([*embed, *extra])]
         done = subprocess.run(run_cli, cwd=ROOT, env=cli_env(), capture_output=True, text=True,
                               timeout=900)  # a hang guard
         assert done.returncode == 0, done.stderr[-3000:]
@@ -188,7 +187,7 @@ def test_serve_answers_throughout_embed_and_index_and_then_serves_the_new_rows(
         try:
             new_ids = list(range(1000, 1000 + len(TEXTS)))
             _write_corpus(corpus / "b.parquet", new_ids, TEXTS)  # new rows arrive
-            embed_and_index()
+            embed_and_index("--incremental")  # the nightly run
             deadline = time.monotonic() + 120  # a hang guard: the swap takes ~interval
             while time.monotonic() < deadline:
                 if httpx.get(f"{base}/health").json()["sets"]["mean"]["generation"] == 2:
