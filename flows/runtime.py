@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +71,25 @@ def use_local_server() -> str | None:
             url = _start(root / RECORD)
     os.environ["PREFECT_API_URL"] = url
     return url
+
+
+def stop_local_server() -> bool:
+    """Stop the reused local server if one runs (a test session's end, an operator's clean-up);
+    True if one was stopped. Only a process that really is this module's server is signalled."""
+    record = _cache_root() / RECORD
+    try:
+        pid = int(json.loads(record.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    record.unlink(missing_ok=True)
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if b"flows.runtime" not in command:
+        return False  # the pid was reused by another process
+    os.kill(pid, signal.SIGTERM)
+    return True
 
 
 def _configured_api_url() -> str | None:

@@ -108,3 +108,13 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=180):  # a hang guard, not a timing
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_prefect_server_outlives_the_suite():
+    """CLI subprocesses share the CLI's reused local Prefect API (flows.runtime); it is stopped
+    when the session ends, so no server outlives the test run."""
+    yield
+    from flows.runtime import stop_local_server
+
+    stop_local_server()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CALL = "from flows.runtime import use_local_server; print(use_local_server())"
+STOP = "from flows.runtime import stop_local_server; print(stop_local_server())"
 
 
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
@@ -31,8 +31,8 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _call(env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", CALL], env=env, capture_output=True,
+def _call(env: dict[str, str], code: str = CALL) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
@@ -62,12 +62,17 @@ def test_server_is_started_once_reused_and_idles_out(tmp_path: Path) -> None:
             time.sleep(0.5)
         assert not _alive(pid) or _zombie(pid), "the idle server did not exit"
         fresh = _call(env)  # a dead record: a new server on a new port
-        assert json.loads(record.read_text())["pid"] != pid
+        second = json.loads(record.read_text())["pid"]
+        assert second != pid
         assert httpx.get(f"{fresh}/health", timeout=10).status_code == 200
+        assert _call(env, STOP) == "True" and not record.exists()  # stopped on request
+        deadline = time.monotonic() + 60  # a hang guard only
+        while _alive(second) and not _zombie(second) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(second) or _zombie(second), "the stopped server is still running"
+        assert _call(env, STOP) == "False"  # nothing left to stop
     finally:
-        for p in {pid, json.loads(record.read_text())["pid"]}:
-            if _alive(p):
-                os.kill(p, signal.SIGTERM)
+        _call(env, STOP)  # whatever the test left running
 
 
 def _zombie(pid: int) -> bool:
