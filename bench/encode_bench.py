@@ -189,7 +189,7 @@ def run_flow(texts: list[str], workdir: Path, tag: str) -> tuple[dict, float, np
     out = workdir / tag / "out"
     job = {"corpus": str(corpus), "out": str(out)}
     summary, seconds = timed(lambda: embed_flow(job))
-    _, vectors = read_set(out, "mean")
+    _, vectors = read_set(out, summary["sets"][0])  # the model's default set
     return summary, seconds, vectors
 
 
