@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.errors import EmbedpipeError
+from pipeline.settings import cache_root
 
 MODE_ENV = "EMBEDPIPE_PREFECT_SERVER"  # "local" (the CLI's default) or "ephemeral"
 IDLE_S = 1800  # the server exits after this long without a run
@@ -63,7 +64,7 @@ def use_local_server() -> str | None:
     """
     if os.environ.get(MODE_ENV) != "local" or _configured_api_url():
         return None
-    root = _cache_root()
+    root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / "prefect-server.lock"):
         url = _healthy_record(root / RECORD)
@@ -73,10 +74,11 @@ def use_local_server() -> str | None:
     return url
 
 
-def stop_local_server() -> bool:
-    """Stop the reused local server if one runs (a test session's end, an operator's clean-up);
-    True if one was stopped. Only a process that really is this module's server is signalled."""
-    record = _cache_root() / RECORD
+def stop_local_server(cache: Path | None = None) -> bool:
+    """Stop the reused local server recorded under ``cache`` (default: this environment's cache
+    dir) if one runs: a test session's end, an operator's clean-up. True if one was stopped.
+    Only a process that really is this module's server is signalled."""
+    record = (cache or cache_root()) / RECORD
     try:
         pid = int(json.loads(record.read_text())["pid"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -96,10 +98,6 @@ def _configured_api_url() -> str | None:
     from prefect.settings import PREFECT_API_URL
 
     return PREFECT_API_URL.value() or None
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
 
 
 def _identity() -> dict[str, str]:

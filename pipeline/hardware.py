@@ -18,6 +18,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.settings import cache_root
+
 CAPPED_ISA = "AVX512_CORE_BF16"
 
 _PROBE = r"""
@@ -51,11 +53,6 @@ def _cpu_key() -> str:
     import torch
 
     return hashlib.sha256(f"{flags}|{torch.__version__}".encode()).hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    """Where measured and computed facts about this machine and its models are cached."""
-    return Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
 
 
 def _cache_file() -> Path:

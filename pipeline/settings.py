@@ -114,3 +114,9 @@ def _merge_missing(job: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
         elif isinstance(value, dict) and isinstance(current, dict):
             merged[key] = _merge_missing(current, value)
     return merged
+
+
+def cache_root() -> Path:
+    """Where embedpipe caches what it measured or computed (CPU probe, model hashes, remote
+    indexes, the CLI's Prefect server record): ``EMBEDPIPE_CACHE``, else ~/.cache/embedpipe."""
+    return Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))

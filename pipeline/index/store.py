@@ -30,6 +30,7 @@ from pipeline import storage
 from pipeline.errors import StorageError
 from pipeline.index.idmap import IdMap
 from pipeline.names import file_name, set_name
+from pipeline.settings import cache_root
 
 MARKER = "_INDEX.json"
 _CHUNK = 1 << 22
@@ -188,7 +189,7 @@ def _verify(path: Path, digest: str | None, shown: str) -> None:
 def _cached(src: str, meta: IndexMeta) -> Path:
     """The cache folder of ``meta``'s version of remote index ``src``, downloaded if missing
     (into a hidden folder, checked, then renamed); other versions of it are removed."""
-    root = Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache/embedpipe"))
+    root = cache_root()
     parent = root / "index" / src.split("://", 1)[1].strip("/")
     target = parent / file_name(meta.token, "the index token")
     if not target.resolve().is_relative_to((root / "index").resolve()):

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from pipeline.config import stable_hash
-from pipeline.hardware import cache_root
 from pipeline.models.prompts import CONFIG as PROMPTS_CONFIG
 from pipeline.models.transformer import CONFIG_NAMES
+from pipeline.settings import cache_root
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 ROOT_FILES = frozenset({
