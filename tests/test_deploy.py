@@ -54,7 +54,8 @@ def _deployments() -> dict[str, dict]:
 def test_settings_env_over_file_over_defaults(tmp_path, monkeypatch):
     for var in ("EMBEDPIPE_MODEL", "EMBEDPIPE_DEVICE", "EMBEDPIPE_DTYPE", "EMBEDPIPE_RUNNER",
                 "EMBEDPIPE_S3_ENDPOINT", "EMBEDPIPE_CACHE", "EMBEDPIPE_DASK_ADDRESS", CONFIG_ENV):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so export_env's values below are undone after
+        monkeypatch.delenv(var)  # the test and never reach later tests' CLI subprocesses
     assert load_settings().job_defaults() == {
         "encoder": {"device": "auto", "dtype": "auto"}, "runner": "threads"
     }
