@@ -21,6 +21,7 @@ Importing this module is cheap: torch, FAISS and Prefect load inside the functio
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import EmbedpipeError
@@ -52,12 +53,13 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
     if index:
         from flows.live import embed_and_index_flow
 
-        _orchestration()
-        return embed_and_index_flow(job_params(job), verify=incremental, progress=progress)
+        with _orchestration():
+            return embed_and_index_flow(job_params(job), verify=incremental, progress=progress)
     from flows.embed import embed_flow, nightly_flow
 
     run = nightly_flow if incremental else embed_flow
-    return run(job_params(job), progress=progress)
+    with _orchestration():
+        return run(job_params(job), progress=progress)
 
 
 def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | None = None,
@@ -72,8 +74,8 @@ def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | Non
     check_input(job)
     from flows.embed import backfill_flow
 
-    _orchestration()
-    return backfill_flow(job_params(job), progress=progress)
+    with _orchestration():
+        return backfill_flow(job_params(job), progress=progress)
 
 
 def index(out: str, set_name: str | None = None, *, kind: str = "auto",
@@ -86,9 +88,9 @@ def index(out: str, set_name: str | None = None, *, kind: str = "auto",
     parse_bytes(memory_budget)
     from flows.index import index_flow
 
-    _orchestration()
-    results = index_flow(out, set_name, kind=kind, memory_budget=memory_budget,
-                         rebuild=rebuild, lease_wait=lease_wait, progress=progress)
+    with _orchestration():
+        results = index_flow(out, set_name, kind=kind, memory_budget=memory_budget,
+                             rebuild=rebuild, lease_wait=lease_wait, progress=progress)
     return [IndexResult.model_validate(r) for r in results]
 
 
@@ -126,8 +128,8 @@ def read_set(out: str, name: str) -> pl.LazyFrame:
     return scan_set(out, name)
 
 
-def _orchestration() -> None:
-    """Right before a flow runs (input already checked): the CLI's reused local Prefect API."""
-    from flows.runtime import use_local_server
+def _orchestration() -> AbstractContextManager[str | None]:
+    """Around a flow run (input already checked): the CLI's reused local Prefect API."""
+    from flows.runtime import local_api
 
-    use_local_server()
+    return local_api()

@@ -123,8 +123,6 @@ def _bar(plan: RunPlan, progress: bool) -> Any:
 
 
 def _run(job: dict, verify: bool, progress: bool) -> dict:
-    from pipeline.embedder import get_embedder
-
     started = time.perf_counter()
     settings = load_settings()  # EMBEDPIPE_* / EMBEDPIPE_CONFIG: defaults of this installation
     settings.export_env()
@@ -132,7 +130,9 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
     say = phase_printer(progress)
     say(f"scanning corpus {spec.corpus}")
 
-    def load_embedder():
+    def load_embedder():  # only when the sets' keys do not tell (see pipeline.run.job_keys)
+        from pipeline.embedder import get_embedder
+
         say(f"loading model {spec.encoder.model or 'all-MiniLM-L6-v2 (packaged)'}")
         return get_embedder(spec.encoder, spec.poolers)
 

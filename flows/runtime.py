@@ -74,6 +74,25 @@ def use_local_server() -> str | None:
     return url
 
 
+@contextlib.contextmanager
+def local_api() -> Iterator[str | None]:
+    """Run the flows inside this block against the reused local server (see
+    ``use_local_server``); yields its URL, or None where Prefect's own choice stands.
+
+    Prefect reads its settings once, when it is imported: an environment variable set later
+    reaches only child processes (task workers), so this process gets the URL through
+    Prefect's settings context as well.
+    """
+    url = use_local_server()
+    if url is None:
+        yield None
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
+
+
 def stop_local_server(cache: Path | None = None) -> bool:
     """Stop the reused local server recorded under ``cache`` (default: this environment's cache
     dir) if one runs: a test session's end, an operator's clean-up. True if one was stopped.

@@ -23,6 +23,8 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "fp32", "bf16", "fp16", "int8"]  # int8: opt-in, CPU only
 Runner = Literal["threads", "processes", "dask"]
 HeadKind = Literal["attention", "positional", "layer_weights", "adapter"]  # learned pooler heads
+HEAD_JSON = "head.json"  # a learned pooling head folder: its config and weights
+HEAD_WEIGHTS = "head.safetensors"
 CacheDType = Literal["auto", "fp32", "bf16"]  # encoder states cached for head training
 
 

@@ -11,9 +11,11 @@ hashes are unchanged is not rewritten. What the shard did goes into one ``ShardS
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -132,7 +134,7 @@ class _Slice:
     need: np.ndarray  # rows some set must embed
     unique: np.ndarray  # rows to encode: the first of each text not encoded yet in the shard
     source: np.ndarray  # for each row of ``need``: its row in the shard's encoded store
-    tokens: list[list[int]]  # tokens of the ``unique`` rows (they fill the next store rows)
+    tokens: Any  # embedder Tokens of the ``unique`` rows (they fill the next store rows), or None
 
 
 class _Seen:
@@ -166,33 +168,33 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     Stages: a reader thread reads, validates, looks up stored vectors and tokenizes the next
     slice while this thread encodes the current one; the parts are written at the end.
     """
-    from pipeline.embedder import get_embedder  # torch only where work happens
-
     started = time.perf_counter()
     job, shard = request.job, request.shard
-    limit_threads(job.workers)
-    embedder = get_embedder(job.encoder, job.poolers)
     stats = ShardStats()
     previous = {w.name: _Previous(job.out, w.name, w.previous) for w in request.sets}
     quarantine: list[pa.Table] = []
     faults.hit("read_shard", shard.id)
     reader = ShardStats()  # the reader thread's own record, added at the end
-    slices = _read_slices(request, embedder, previous, reader, quarantine)
-    dims = embedder.dims()
+    model = _Model(request)
+    slices = _read_slices(request, model, previous, reader, quarantine)
     ids_parts, hash_parts = [], []
     vectors: dict[str, list[np.ndarray]] = {n: [] for n in previous}
     counts = {n: [0, 0] for n in previous}  # embedded, reused
     # encoded vectors of the shard's distinct texts, filled in the order _Seen assigns rows
-    store = {n: np.empty((shard.rows, dims[n]), np.float32) for n in previous}
+    store = {n: np.empty((0, 0), np.float32) for n in previous}
     filled = 0
     for piece in prefetch(slices, depth=2):
-        tick = time.perf_counter()
-        out = embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
-        stats.add_seconds("encode", time.perf_counter() - tick)
-        stats.add_encoder(out.stats)
-        for name in store:
-            store[name][filled : filled + len(piece.unique)] = out.vectors[name]
-        filled += len(piece.unique)
+        if len(piece.unique):
+            tick = time.perf_counter()
+            out = model.embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
+            stats.add_seconds("encode", time.perf_counter() - tick)
+            stats.add_encoder(out.stats)
+            if not filled:
+                dims = model.embedder.dims()
+                store = {n: np.empty((shard.rows, dims[n]), np.float32) for n in previous}
+            for name in store:
+                store[name][filled : filled + len(piece.unique)] = out.vectors[name]
+            filled += len(piece.unique)
         stats.encoded += len(piece.unique)
         stats.duplicates += len(piece.need) - len(piece.unique)
         stats.embedded += len(piece.need)
@@ -231,13 +233,34 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     )
 
 
+class _Model:
+    """The worker's embedder, loaded when a shard first has a text to encode: a shard whose
+    rows all reuse stored vectors (a nightly run over an unchanged corpus) loads no model."""
+
+    def __init__(self, request: ShardRequest) -> None:
+        self.job = request.job
+        self._embedder = None
+        self._lock = threading.Lock()
+
+    @property
+    def embedder(self):
+        with self._lock:  # the reader thread and the encoder ask for it
+            if self._embedder is None:
+                from pipeline.embedder import get_embedder  # torch only where work happens
+
+                limit_threads(self.job.workers)
+                self._embedder = get_embedder(self.job.encoder, self.job.poolers)
+            return self._embedder
+
+
 def _id_type(request: ShardRequest) -> pa.DataType:
     from pipeline.corpus import arrow_id_type
 
     return arrow_id_type(request.id_type)
 
 
-def _read_slices(request, embedder, previous, stats: ShardStats, quarantine) -> Iterator[_Slice]:
+def _read_slices(request, model: _Model, previous, stats: ShardStats, quarantine
+                 ) -> Iterator[_Slice]:
     """Stage 1 (runs ahead in a thread): read, validate, look up, dedupe and tokenize."""
     job, shard = request.job, request.shard
     chunks = read_shard(
@@ -263,19 +286,23 @@ def _read_slices(request, embedder, previous, stats: ShardStats, quarantine) -> 
             source, encode = seen.assign(hashes[need])
             unique = need[encode]
             stats.add_seconds("read", time.perf_counter() - tick)
-            tick = time.perf_counter()
-            tokens = embedder.tokenize([chunk.texts[start + r] for r in unique.tolist()])
-            stats.add_seconds("tokenize", time.perf_counter() - tick)
+            tokens = None
+            if len(unique):
+                texts = [chunk.texts[start + r] for r in unique.tolist()]
+                tick = time.perf_counter()
+                tokens = model.embedder.tokenize(texts)
+                stats.add_seconds("tokenize", time.perf_counter() - tick)
             yield _Slice(ids, hashes, found, need, unique, source, tokens)
 
 
 def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _Previous
               ) -> np.ndarray:
     """A slice's vectors for one set: stored ones where found, else the encoded ones."""
-    matrix = np.empty((len(found), encoded.shape[1]), np.float32)
+    hit = found >= 0
+    width = previous.vectors.shape[1] if hit.any() else encoded.shape[1]
+    matrix = np.empty((len(found), width), np.float32)
     if len(piece.need):
         matrix[piece.need] = encoded[piece.source]
-    hit = found >= 0
     if hit.any():
         matrix[hit] = previous.vectors[found[hit]]
     return matrix

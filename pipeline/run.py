@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pipeline.config import EmbedJob, stable_hash
+from pipeline import storage
+from pipeline.config import HEAD_JSON, HEAD_WEIGHTS, EmbedJob, stable_hash
 from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates
 from pipeline.errors import CorpusError
 from pipeline.job import SetWork, ShardRequest, ShardResult
@@ -75,7 +76,31 @@ class RunSummary(BaseModel):
         )
 
 
-def set_meta(embedder, job: EmbedJob, name: str, id_type: str) -> SetMeta:
+def job_keys(job: EmbedJob) -> dict[str, str]:
+    """Per set: everything that decides its vectors and is known without loading the model
+    (the encoder options, the pooler spec, the model files' hash, a pooling head's files).
+
+    Equal keys mean equal fingerprints, so a run whose sets all carry its keys plans without
+    loading the model, and a rerun with nothing to do never loads it.
+    """
+    from pipeline.models.hashing import folder_hash
+
+    files = folder_hash(job.encoder.model)
+    encoder = job.encoder.model_dump(mode="json")
+    return {
+        spec.name: stable_hash({
+            "encoder": encoder,
+            "pooler": spec.model_dump(mode="json"),
+            "model_files": files,
+            "head": [storage.sha256(storage.join(spec.head, name))
+                     for name in (HEAD_JSON, HEAD_WEIGHTS)] if spec.head else None,
+        })
+        for spec in job.poolers
+    }
+
+
+def set_meta(embedder, job: EmbedJob, name: str, id_type: str, key: str | None = None
+             ) -> SetMeta:
     """The metadata a set made by this job and embedder must carry."""
     spec = embedder.specs[name]
     info = embedder.info
@@ -96,6 +121,7 @@ def set_meta(embedder, job: EmbedJob, name: str, id_type: str) -> SetMeta:
         corpus=job.corpus,
         id_column=job.id_column,
         text_column=job.text_column,
+        job_key=key,
     )
 
 
@@ -115,13 +141,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
             f"duplicate ids in {job.corpus}: {duplicates.describe()}; "
             "pass --dedupe to keep the first row of each id"
         )
-    embedder = load_embedder()
-    metas = {
-        spec.name: SetFolder(job.out, spec.name).claim(
-            set_meta(embedder, job, spec.name, corpus.id_type)
-        )
-        for spec in job.poolers
-    }
+    metas = _claim(job, corpus.id_type, load_embedder)
     generation = {name: meta.generation + 1 for name, meta in metas.items()}
     markers = {name: SetFolder(job.out, name).read_markers() for name in metas}
     requests = []
@@ -153,6 +173,22 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
         requests=requests,
         duplicates=duplicates,
     )
+
+
+def _claim(job: EmbedJob, id_type: str, load_embedder: Callable[[], Any]
+           ) -> dict[str, SetMeta]:
+    """Each set's metadata, claimed for this job: from ``_SET.json`` alone when every set
+    was made by this very job before (same keys), else checked against the loaded model."""
+    keys = job_keys(job)
+    stored = {name: SetFolder(job.out, name).read_meta() for name in keys}
+    if all(m is not None and m.job_key == keys[n] and m.id_type == id_type
+           for n, m in stored.items()):
+        return stored
+    embedder = load_embedder()
+    return {
+        name: SetFolder(job.out, name).claim(set_meta(embedder, job, name, id_type, key))
+        for name, key in keys.items()
+    }
 
 
 def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:

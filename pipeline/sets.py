@@ -51,6 +51,9 @@ class SetMeta(BaseModel):
     normalize: bool
     max_length: int
     window: dict | None = None
+    # the job options and files that made the vectors (pipeline.run.job_key): a later run with
+    # the same key is known to make the same fingerprint without loading the model
+    job_key: str | None = None
     id_type: str = "string"
     corpus: str | None = None  # where the texts are: search joins snippets back by id
     id_column: str = "id"
@@ -200,6 +203,9 @@ class SetFolder:
                 f"set {self.name!r} in {self.out} stores {stored.id_type} ids, the corpus has "
                 f"{meta.id_type}"
             )
+        if meta.job_key and stored.job_key != meta.job_key:  # same vectors, another way there
+            stored = stored.model_copy(update={"job_key": meta.job_key})
+            self.write_meta(stored)
         return stored
 
     # ---- parts and hashes ------------------------------------------------------------------

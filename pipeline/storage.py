@@ -193,6 +193,16 @@ def read_bytes(url: str) -> bytes:
         return fs.cat_file(path)
 
 
+def sha256(url: str) -> str:
+    """SHA-256 (hex) of the file at ``url``, read in 4 MiB pieces."""
+    fs, path = filesystem(url)
+    digest = hashlib.sha256()
+    with explained(url, "read"), fs.open(path, "rb") as fh:
+        for piece in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
 def write_bytes(url: str, data: bytes) -> None:
     """Write ``data`` so that readers see either nothing or the whole object."""
     fs, path = filesystem(url)

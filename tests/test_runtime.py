@@ -91,3 +91,38 @@ def test_configured_api_url_ephemeral_mode_or_a_python_caller_starts_nothing(
     env.pop("EMBEDPIPE_PREFECT_SERVER", None)  # a Python caller: Prefect's own server
     assert _call(env) == "None"
     assert not (tmp_path / "cache" / "prefect-server.json").exists()
+
+
+@pytest.mark.slow
+def test_cli_runs_report_to_the_reused_server_and_a_rerun_loads_no_model(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Flows really run against the reused server (Prefect reads its settings at import, so
+    an environment variable set later would not reach them), and a rerun with nothing to do
+    imports no torch at all."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    corpus, out = tmp_path / "c.parquet", tmp_path / "out"
+    pq.write_table(pa.table({"id": list(range(30)), "text": [f"doc {i}" for i in range(30)]}),
+                   corpus)
+    env = _env(tmp_path)
+    env.pop("EMBEDPIPE_PREFECT_SERVER", None)  # the CLI chooses the local server itself
+    record = tmp_path / "cache" / "prefect-server.json"
+    args = [str(corpus), str(out), "--model", str(tiny_model_dir), "--dtype", "fp32"]
+    try:
+        first = _call(env, f"from flows.cli import main; main(['embed', *{args!r}])")
+        assert first.startswith("embedded 30 rows")
+        data = json.loads(record.read_text())
+        url, pid = f"http://127.0.0.1:{data['port']}/api", data["pid"]
+        rerun = ("import json, sys, embedpipe; r = embedpipe.embed("
+                 f"{str(corpus)!r}, {str(out)!r}, model={str(tiny_model_dir)!r}, dtype='fp32');"
+                 "print(json.dumps([r['embedded'], r['shards_run'], 'torch' in sys.modules]))")
+        assert json.loads(_call(env | {"EMBEDPIPE_PREFECT_SERVER": "local"}, rerun)) == [
+            0, 0, False]
+        assert json.loads(record.read_text())["pid"] == pid  # one server for both runs
+        runs = httpx.post(f"{url}/flow_runs/filter", json={}, timeout=30).json()
+        flows = httpx.post(f"{url}/flows/filter", json={}, timeout=30).json()
+        assert len(runs) == 2 and {r["state_type"] for r in runs} == {"COMPLETED"}
+        assert {f["name"] for f in flows} == {"embed"}
+    finally:
+        _call(env, STOP)

@@ -41,6 +41,17 @@ def hashed_files(folder: Path, module_dirs: Iterable[Path] = ()) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
+def folder_hash(model: str | None) -> str:
+    """``model_hash`` of the folder ``model`` names, without loading or checking anything
+    (no torch, no transformers): enough to tell whether a set was made from these files."""
+    from pipeline.models.folder import is_sentence_transformers, resolve_model_dir
+    from pipeline.models.modules import read_modules
+
+    folder = resolve_model_dir(model)
+    dirs = [e.path for e in read_modules(folder)] if is_sentence_transformers(folder) else []
+    return model_hash(folder, dirs)
+
+
 def model_hash(folder: Path, module_dirs: Iterable[Path] = ()) -> str:
     """16 hex digits over ``hashed_files``; read from the cache when no file changed."""
     files = hashed_files(folder, module_dirs)

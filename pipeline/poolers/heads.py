@@ -31,11 +31,9 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from pipeline import storage
-from pipeline.config import HeadKind
+from pipeline.config import HEAD_JSON, HEAD_WEIGHTS, HeadKind
 from pipeline.errors import ConfigError
 
-HEAD_JSON = "head.json"
-HEAD_WEIGHTS = "head.safetensors"
 MAX_JSON_BYTES = 1 << 20  # head.json and the safetensors header are small
 
 

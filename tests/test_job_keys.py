@@ -1,0 +1,101 @@
+"""Sets made by the same job are planned without loading the model (pipeline.run.job_keys)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from _flowkit import job, read_set, run_library, same_vectors, text_for, write_corpus
+
+import pipeline.embedder
+from pipeline.config import EmbedJob, parse
+from pipeline.embedder import get_embedder
+from pipeline.errors import FingerprintError
+from pipeline.job import embed_shard
+from pipeline.run import finalize, prepare
+from pipeline.sets import SetFolder
+
+
+def _never() -> None:
+    raise AssertionError("the model was loaded")
+
+
+def _plan(job_dict: dict, load=_never, verify: bool = False):
+    spec = parse(EmbedJob, job_dict, "job")
+    return spec, prepare(spec, load, verify=verify)
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "c.parquet", list(range(40)), [text_for(i) for i in range(40)])
+
+
+def test_same_job_plans_without_the_model_and_new_rows_still_embed(
+        tmp_path: Path, corpus: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    params = job(corpus, tmp_path / "out", tiny_model_dir)
+    run_library(params)
+    meta = SetFolder(str(tmp_path / "out"), "mean").meta()
+    assert meta.job_key
+
+    _, plan = _plan(params)  # nothing to do: the model is never loaded
+    assert plan.requests == []
+    with monkeypatch.context() as patch:  # a nightly run re-reads every shard: still no model
+        patch.setattr(pipeline.embedder, "get_embedder", lambda *a: _never())
+        _, plan = _plan(params, verify=True)
+        results = [embed_shard(r) for r in plan.requests]
+        assert len(results) == 2 and sum(r.embedded for r in results) == 0
+        assert sum(r.rows for r in results) == 40
+        finalize(plan, results, 1.0)
+
+    write_corpus(corpus, list(range(50)), [text_for(i) for i in range(50)])
+    spec, plan = _plan(params)  # new rows: planned without the model, embedded by the workers
+    assert [r.shard.rows for r in plan.requests] == [10]
+    finalize(plan, [embed_shard(r) for r in plan.requests], 1.0)
+    clean = tmp_path / "clean"
+    run_library(job(corpus, clean, tiny_model_dir))
+    assert same_vectors(read_set(tmp_path / "out", "mean"), read_set(clean, "mean"), atol=1e-6)
+
+
+def test_another_job_loads_the_model_and_records_its_key(
+        tmp_path: Path, corpus: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    params = job(corpus, out, tiny_model_dir)
+    run_library(params)
+    first = SetFolder(str(out), "mean").meta().job_key
+
+    other = params | {"encoder": params["encoder"] | {"token_budget": 4096}}
+    loaded = []
+
+    def load():
+        loaded.append(1)
+        spec = parse(EmbedJob, other, "job")
+        return get_embedder(spec.encoder, spec.poolers)
+
+    _, plan = _plan(other, load)  # another key, same fingerprint: checked once, then recorded
+    assert loaded == [1] and plan.requests == []
+    second = SetFolder(str(out), "mean").meta().job_key
+    assert second and second != first
+    _plan(other)  # and known from then on
+
+
+def test_changed_model_files_are_never_taken_for_the_same_job(
+        tmp_path: Path, corpus: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    from conftest import build_tiny_bert
+
+    monkeypatch.setattr(pipeline.embedder, "_CACHE", {})  # this process loads the new weights
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    params = job(corpus, tmp_path / "out", model)
+    run_library(params)
+    build_tiny_bert(tmp_path / "other", seed=1)
+    shutil.copy(tmp_path / "other" / "model.safetensors", model / "model.safetensors")
+    pipeline.embedder._CACHE.clear()
+
+    def load():
+        spec = parse(EmbedJob, params, "job")
+        return get_embedder(spec.encoder, spec.poolers)
+
+    with pytest.raises(FingerprintError, match="fingerprint"):
+        _plan(params, load)
