@@ -102,6 +102,7 @@ class Encoder:
         self.max_length = self._max_length(loader.max_length)
         self.prefix, self.suffix = self._special_tokens()
         self.pad_id = self.tokenizer.pad_token_id or 0
+        self._ids = loader.ids_tokenizer(self.tokenizer)
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
         prompts = self.files.prompts
         self.document_prompt = self._prompt(prompts.document(cfg.prompt_name))
@@ -170,11 +171,7 @@ class Encoder:
         """
         if prompt is not None and prompt.text:
             texts = [prompt.text + text for text in texts]
-        encoded = self.tokenizer(
-            texts, add_special_tokens=False, truncation=False, verbose=False,
-            return_attention_mask=False, return_token_type_ids=False,
-        )
-        return encoded["input_ids"]
+        return [e.ids for e in self._ids.encode_batch_fast(texts, add_special_tokens=False)]
 
     def tokenize_for(self, texts: list[str], queries: np.ndarray) -> list[list[int]]:
         """``tokenize`` with the query prompt where ``queries`` is True, else the document one."""

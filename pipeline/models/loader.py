@@ -98,6 +98,18 @@ def load_tokenizer(files: ModelFiles, trust_remote_code: bool):
     return tokenizer
 
 
+def ids_tokenizer(tokenizer):
+    """The Rust tokenizer behind ``tokenizer``, as its own copy that never truncates or pads:
+    what the fast tokenizer's ``__call__`` runs for token ids, without building Python dicts
+    of every output. ``encode_batch_fast`` on it skips the character offsets nobody reads."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
 def _lower_case(tokenizer) -> None:
     """Lower-case before the tokenizer's own normaliser, as sentence-transformers does."""
     from tokenizers.normalizers import Lowercase
