@@ -87,10 +87,38 @@ def local_api() -> Iterator[str | None]:
     if url is None:
         yield None
         return
+    import prefect.context
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        yield url
+    # threads the task runners start (the process pool's message forwarder) do not inherit
+    # this context: they read Prefect's process-global settings, replaced here the way
+    # Prefect's own test harness does it (a private helper: without it, nothing is replaced)
+    global_settings = getattr(prefect.context, "_temporary_global_settings_context", None)
+    with temporary_settings(updates={PREFECT_API_URL: url}), (
+        global_settings(prefect.context.get_settings_context())
+        if global_settings else contextlib.nullcontext()
+    ):
+        try:
+            yield url
+        finally:
+            _drain()
+
+
+def _drain() -> None:
+    """Send the logs and events still queued to the server before the URL is forgotten (else
+    Prefect would start a temporary server of its own to deliver them at exit)."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        for pending in (APILogWorker.drain_all(), EventsWorker.drain_all()):
+            if inspect.isawaitable(pending):
+                await pending
+
+    run_coro_as_sync(drain())
 
 
 def stop_local_server(cache: Path | None = None) -> bool:

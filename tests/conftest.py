@@ -104,11 +104,22 @@ def s3_bucket(s3_server) -> str:
 
 @pytest.fixture(scope="session")
 def prefect_api():
-    """One Prefect ephemeral API for the session: each start costs tens of seconds here."""
+    """One Prefect API for the session's in-process flows: the CLI's reused local server
+    (flows.runtime), which the CLI subprocesses of the tests use too, so the suite pays one
+    server start (tens of seconds here) instead of two. Where the developer configured an
+    API URL, Prefect's test harness keeps the tests off that server."""
     from prefect.testing.utilities import prefect_test_harness
 
+    from flows.runtime import MODE_ENV, local_api
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(MODE_ENV, "local")
+        with local_api() as url:
+            if url is not None:
+                yield url
+                return
     with prefect_test_harness(server_startup_timeout=180):  # a hang guard, not a timing
-        yield
+        yield None
 
 
 @pytest.fixture(scope="session", autouse=True)

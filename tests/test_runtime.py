@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CALL = "from flows.runtime import use_local_server; print(use_local_server())"
 STOP = "from flows.runtime import stop_local_server; print(stop_local_server())"
+IDLE_S = 20  # long enough for a run to find the server again, short enough to wait out
 
 
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
@@ -47,21 +48,44 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_server_is_started_once_reused_and_idles_out(tmp_path: Path) -> None:
-    env = _env(tmp_path, EMBEDPIPE_PREFECT_IDLE_S="60", EMBEDPIPE_PREFECT_SERVER="local")
+def test_cli_runs_share_one_server_a_rerun_loads_no_model_and_the_server_idles_out(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Flows really run against the reused server (Prefect reads its settings at import, so
+    an environment variable set later would not reach them); a rerun with nothing to do
+    imports no torch at all; the idle server exits, a later run starts a new one, and
+    ``stop_local_server`` stops it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    corpus, out = tmp_path / "c.parquet", tmp_path / "out"
+    pq.write_table(pa.table({"id": list(range(30)), "text": [f"doc {i}" for i in range(30)]}),
+                   corpus)
+    env = _env(tmp_path, EMBEDPIPE_PREFECT_IDLE_S=str(IDLE_S))
+    env.pop("EMBEDPIPE_PREFECT_SERVER", None)  # the CLI chooses the local server itself
     record = tmp_path / "cache" / "prefect-server.json"
-    url = _call(env)
-    pid = json.loads(record.read_text())["pid"]
+    args = [str(corpus), str(out), "--model", str(tiny_model_dir), "--dtype", "fp32"]
+    local = env | {"EMBEDPIPE_PREFECT_SERVER": "local"}  # what a Python caller opts into
     try:
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/api")
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        assert _call(env) == url  # found healthy and reused: no second server
+        first = _call(env, f"from flows.cli import main; main(['embed', *{args!r}])")
+        assert first.startswith("embedded 30 rows")
+        data = json.loads(record.read_text())
+        url, pid = f"http://127.0.0.1:{data['port']}/api", data["pid"]
+        rerun = ("import json, sys, embedpipe; r = embedpipe.embed("
+                 f"{str(corpus)!r}, {str(out)!r}, model={str(tiny_model_dir)!r}, dtype='fp32');"
+                 "print(json.dumps([r['embedded'], r['shards_run'], 'torch' in sys.modules]))")
+        assert json.loads(_call(local, rerun)) == [0, 0, False]
+        assert _call(local) == url  # found healthy and reused: no second server
         assert json.loads(record.read_text())["pid"] == pid
+        runs = httpx.post(f"{url}/flow_runs/filter", json={}, timeout=30).json()
+        flows = httpx.post(f"{url}/flows/filter", json={}, timeout=30).json()
+        assert len(runs) == 2 and {r["state_type"] for r in runs} == {"COMPLETED"}
+        assert {f["name"] for f in flows} == {"embed"}
+
         deadline = time.monotonic() + 300  # a hang guard only
         while _alive(pid) and not _zombie(pid) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not _alive(pid) or _zombie(pid), "the idle server did not exit"
-        fresh = _call(env)  # a dead record: a new server on a new port
+        fresh = _call(local)  # a dead record: a new server on a new port
         second = json.loads(record.read_text())["pid"]
         assert second != pid
         assert httpx.get(f"{fresh}/health", timeout=10).status_code == 200
@@ -92,37 +116,3 @@ def test_configured_api_url_ephemeral_mode_or_a_python_caller_starts_nothing(
     assert _call(env) == "None"
     assert not (tmp_path / "cache" / "prefect-server.json").exists()
 
-
-@pytest.mark.slow
-def test_cli_runs_report_to_the_reused_server_and_a_rerun_loads_no_model(
-        tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Flows really run against the reused server (Prefect reads its settings at import, so
-    an environment variable set later would not reach them), and a rerun with nothing to do
-    imports no torch at all."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    corpus, out = tmp_path / "c.parquet", tmp_path / "out"
-    pq.write_table(pa.table({"id": list(range(30)), "text": [f"doc {i}" for i in range(30)]}),
-                   corpus)
-    env = _env(tmp_path)
-    env.pop("EMBEDPIPE_PREFECT_SERVER", None)  # the CLI chooses the local server itself
-    record = tmp_path / "cache" / "prefect-server.json"
-    args = [str(corpus), str(out), "--model", str(tiny_model_dir), "--dtype", "fp32"]
-    try:
-        first = _call(env, f"from flows.cli import main; main(['embed', *{args!r}])")
-        assert first.startswith("embedded 30 rows")
-        data = json.loads(record.read_text())
-        url, pid = f"http://127.0.0.1:{data['port']}/api", data["pid"]
-        rerun = ("import json, sys, embedpipe; r = embedpipe.embed("
-                 f"{str(corpus)!r}, {str(out)!r}, model={str(tiny_model_dir)!r}, dtype='fp32');"
-                 "print(json.dumps([r['embedded'], r['shards_run'], 'torch' in sys.modules]))")
-        assert json.loads(_call(env | {"EMBEDPIPE_PREFECT_SERVER": "local"}, rerun)) == [
-            0, 0, False]
-        assert json.loads(record.read_text())["pid"] == pid  # one server for both runs
-        runs = httpx.post(f"{url}/flow_runs/filter", json={}, timeout=30).json()
-        flows = httpx.post(f"{url}/flows/filter", json={}, timeout=30).json()
-        assert len(runs) == 2 and {r["state_type"] for r in runs} == {"COMPLETED"}
-        assert {f["name"] for f in flows} == {"embed"}
-    finally:
-        _call(env, STOP)
