@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pypi_summaries_200k.parquet"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "pypi_summaries_200k.parquet"
 
 
 def cpu_flags() -> str:
@@ -54,7 +55,7 @@ def matmul_gflops(seconds: float = 3.0) -> float:
 
 
 def tiny_model(folder: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_tiny_bert
 
     return build_tiny_bert(folder)
@@ -92,6 +93,7 @@ def embed(tree: Path, corpus_path: Path, out: Path, model: Path, env: dict) -> d
 
 
 def main() -> int:
+    sys.path.insert(0, str(ROOT))  # run as a script: the repo's packages
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="code tree to compare to")
     parser.add_argument("--after", type=Path, default=Path("."), help="code tree measured")
@@ -137,7 +139,6 @@ def main() -> int:
             shutil.rmtree(out, ignore_errors=True)
             report[f"tiny_{label}_{rows}"] = result
             print(json.dumps({f"tiny_{label}_{rows}": result}), flush=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from flows.runtime import stop_local_server
 
     for label in trees:  # the local Prefect APIs the runs started
