@@ -259,9 +259,9 @@ def _serve(port: int, record: Path, idle_s: float = IDLE_S) -> None:
     import uvicorn
     from prefect.server.api.server import create_app
 
+    app = Activity(create_app(ephemeral=True))
     server = uvicorn.Server(
-        uvicorn.Config(create_app(ephemeral=True), host="127.0.0.1", port=port,
-                       log_level="error", lifespan="on")
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on")
     )
 
     def watch() -> None:
@@ -270,15 +270,41 @@ def _serve(port: int, record: Path, idle_s: float = IDLE_S) -> None:
         serving = time.time()
         while not server.should_exit:
             time.sleep(min(30.0, idle_s / 4))
-            server.should_exit = _orphaned(record, serving, idle_s)
+            server.should_exit = _orphaned(record, max(serving, app.last_active()), idle_s)
 
     threading.Thread(target=watch, daemon=True).start()
     server.run()
 
 
+class Activity:
+    """ASGI wrapper that tells when the API last served a request: a run that lasts hours
+    talks to the server all along (task states, logs, events) and so keeps it up."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.last = time.time()
+        self.open = 0  # requests and websockets in progress
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        self.open += 1
+        self.last = time.time()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
+            self.last = time.time()
+
+    def last_active(self) -> float:
+        """Now while a request or websocket is open, else when the last one ended."""
+        return time.time() if self.open else self.last
+
+
 def _orphaned(record: Path, serving: float, idle_s: float) -> bool:
-    """Idle for ``idle_s`` since it began serving or the last run touched the record, or the
-    record is gone or names another server (then no run will find this one)."""
+    """Idle for ``idle_s`` since ``serving`` (it began serving, or last served a request) or
+    the last run touched the record, or the record is gone or names another server (then no
+    run will find this one)."""
     try:
         data = json.loads(record.read_text())
         last = record.stat().st_mtime

@@ -14,7 +14,6 @@ make_cpu_bf16_safe()  # before any torch kernel runs in the tests (see pipeline.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("EMBEDPIPE_PREFECT_IDLE_S", "300")  # CLI subprocesses' local Prefect API
 
 TINY_MAX_POSITIONS = 128
 
@@ -126,8 +125,8 @@ def prefect_api():
 def _no_prefect_server_outlives_the_suite():
     """CLI subprocesses share the CLI's reused local Prefect API (flows.runtime); it is stopped
     when the session ends (the cache dir as it was at the start: a test may change the
-    environment), so no server outlives the test run; one started under a test's own cache
-    dir exits after 5 idle minutes."""
+    environment), so no server outlives the test run; a test that starts one under its own
+    cache dir stops it itself."""
     from flows.runtime import stop_local_server
     from pipeline.settings import cache_root
 

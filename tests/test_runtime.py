@@ -116,3 +116,32 @@ def test_configured_api_url_ephemeral_mode_or_a_python_caller_starts_nothing(
     assert _call(env) == "None"
     assert not (tmp_path / "cache" / "prefect-server.json").exists()
 
+
+
+def test_requests_in_progress_or_recent_keep_the_server_from_idling() -> None:
+    """A long run talks to the server all along; its requests, not only new runs, count."""
+    import asyncio
+
+    from flows.runtime import Activity
+
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def app(scope, receive, send) -> None:
+        started.set()
+        await release.wait()
+
+    async def scenario() -> None:
+        activity = Activity(app)
+        activity.last = 0.0  # long idle before the request
+        request = asyncio.ensure_future(activity({"type": "http"}, None, None))
+        await started.wait()
+        assert activity.open == 1 and time.time() - activity.last_active() < 1
+        activity.last = 0.0
+        assert time.time() - activity.last_active() < 1  # open: active now, whatever last says
+        release.set()
+        await request
+        assert activity.open == 0 and time.time() - activity.last_active() < 5
+        await activity({"type": "lifespan"}, None, None)  # not a request: changes nothing
+        assert activity.open == 0
+
+    asyncio.run(scenario())
