@@ -33,10 +33,11 @@ RUN case "${VARIANT}" in \
  && pip install --no-cache-dir --index-url "${index}" "torch==${TORCH_VERSION}" \
  && echo "torch==${TORCH_VERSION}" > /opt/torch-constraint.txt
 
-# 2. every other dependency, read from pyproject.toml (cached until it changes); the
-#    constraint keeps the torch build chosen above
+# 2. every other dependency, read from pyproject.toml (cached until it changes), with the
+#    `int8` extra (ONNX Runtime) in the CPU image; the constraint keeps the torch build chosen
+#    above
 COPY pyproject.toml /tmp/build/pyproject.toml
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/build/pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import os, tomllib; p = tomllib.load(open('/tmp/build/pyproject.toml', 'rb'))['project']; extra = p['optional-dependencies']['int8'] if os.environ['VARIANT'] == 'cpu' else []; print('\n'.join(p['dependencies'] + extra))" \
       > /tmp/build/requirements.txt \
  && pip install --no-cache-dir -c /opt/torch-constraint.txt -r /tmp/build/requirements.txt
 

@@ -18,7 +18,7 @@ from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
 from pipeline.models.head import ModelParts
 from pipeline.precision import CALIBRATION_TEXTS, choose_device, choose_dtype
-from pipeline.quantize import INT8, quantize_linear, quantized_hash
+from pipeline.quantize import INT8, OnnxInt8Model, quantized_hash
 
 
 @dataclass(frozen=True)
@@ -109,9 +109,12 @@ class Encoder:
         self.query_prompt = self._prompt(prompts.query(cfg.query_prompt_name))
         self.dtype = "fp32"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._cosine_to_fp32)
-        if self.dtype == INT8:
-            self.model = quantize_linear(self.model)
         self.model_hash = quantized_hash(self.files.model_hash(), self.dtype)
+        if self.dtype == INT8:
+            if need_attention:
+                raise ConfigError("the attention pooler needs the model's attention weights, "
+                                  "which dtype int8 (ONNX Runtime) does not give: use fp32")
+            self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types)
 
     def _max_length(self, model_limit) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512

@@ -1,30 +1,200 @@
-"""The opt-in int8 CPU path: dynamic int8 quantization of the encoder's Linear layers.
+"""The opt-in int8 CPU path: the encoder run by ONNX Runtime with int8 MatMul weights.
 
-Weights are quantized once at load (symmetric, one scale per output channel: on MiniLM and 200
-PyPI summaries per-channel scales gave cosine to fp32 0.969 mean / 0.894 min against 0.936 /
-0.807 with one scale per tensor); activations are quantized per batch at run time, so no
-calibration data is needed. Vectors change, so an int8 set has its own fingerprint:
-``quantized_hash`` marks the model hash the fingerprint stands on (see bench/int8.py).
+The first time a model is used with ``dtype int8`` its transformer is exported to ONNX (eager
+attention, so the padding mask stays in the graph), fused by ONNX Runtime's transformer
+optimizer where it knows the architecture (attention, skip layer norm, bias GELU in BERT-like
+models), and its MatMul weights quantized to int8 with one scale per output channel;
+activations are quantized per batch at run time, so no calibration data is needed. The file
+is cached under ``EMBEDPIPE_CACHE``, keyed by the model hash, the outputs and the ONNX Runtime
+version, and checked against its recorded SHA-256 before each load.
+
+Why ONNX Runtime and not torch's dynamic quantization of the Linear layers (the earlier int8
+path), measured on the packaged MiniLM and the same 2,000 PyPI summaries, AVX2-only CPU, two
+runs: torch int8 372 vs fp32 231 docs/s (1.61x), recall@10 -0.0065, cosine to fp32 0.973 mean;
+ONNX Runtime int8 412 vs fp32 233 docs/s (1.77x), recall@10 -0.0010, cosine 0.992 mean.
+Vectors change, so an int8 set has its own fingerprint (``quantized_hash``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
+from pipeline.config import stable_hash
+from pipeline.errors import ConfigError, ModelError
+from pipeline.settings import cache_root
+
 INT8 = "int8"
-
-
-def quantize_linear(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every ``nn.Linear`` replaced by its dynamically quantized int8 version."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    with warnings.catch_warnings():  # torch marks its quantized tensor types as deprecated
-        warnings.simplefilter("ignore")
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig})
+OPSET = 17
+FUSED_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})  # ORT's BERT fusions apply
 
 
 def quantized_hash(model_hash: str, dtype: str) -> str:
-    """The hash a set's fingerprint stands on: int8 weights are other weights."""
-    return f"{model_hash}-{INT8}" if dtype == INT8 else model_hash
+    """The hash a set's fingerprint stands on: int8 weights in ONNX Runtime are other weights."""
+    return f"{model_hash}-onnx-{INT8}" if dtype == INT8 else model_hash
+
+
+def require_onnxruntime() -> None:
+    """Raise a one-line ConfigError unless ONNX Runtime and onnx are installed."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"dtype int8 runs the encoder in ONNX Runtime, which is not installed ({exc.name}): "
+            "pip install 'embedpipe[int8]'"
+        ) from None
+
+
+class OnnxInt8Model:
+    """Stands in for the transformer (same call, same outputs) with int8 ONNX Runtime sessions:
+    one for the last layer alone, one with every layer's hidden states, each built on first use.
+    """
+
+    def __init__(self, model: torch.nn.Module, model_hash: str, token_types: bool) -> None:
+        require_onnxruntime()
+        self.config = model.config
+        self._model = model
+        self._hash = model_hash
+        self._inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
+        self._sessions: dict[bool, Any] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
+                 output_attentions: bool = False) -> SimpleNamespace:
+        if output_attentions:
+            raise ConfigError("dtype int8 (ONNX Runtime) gives no attention weights")
+        given = {"input_ids": input_ids, "attention_mask": attention_mask,
+                 "token_type_ids": token_type_ids}
+        feeds = {name: given[name].cpu().numpy() for name in self._inputs}
+        outputs = self._session(output_hidden_states).run(None, feeds)
+        tensors = [torch.from_numpy(o) for o in outputs]
+        hidden = tuple(tensors[1:]) if output_hidden_states else None
+        return SimpleNamespace(last_hidden_state=tensors[0], hidden_states=hidden)
+
+    def _session(self, hidden: bool) -> Any:
+        with self._lock:
+            if hidden not in self._sessions:
+                self._sessions[hidden] = _session(self._cached_file(hidden))
+            return self._sessions[hidden]
+
+    def _cached_file(self, hidden: bool) -> Path:
+        import onnxruntime
+
+        key = stable_hash([self._hash, hidden, self._inputs, onnxruntime.__version__, OPSET])
+        path = cache_root() / "onnx-int8" / f"{key}.onnx"
+        if _verified(path):
+            return path
+        with tempfile.TemporaryDirectory(prefix="embedpipe-onnx-") as work:
+            built = self._build(Path(work), hidden)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            shutil.copyfile(built, partial)
+            _record_sha(path, _sha256(partial))
+            os.replace(partial, path)
+        return path
+
+    def _build(self, work: Path, hidden: bool) -> Path:
+        """Export, fuse (where ORT knows the architecture), quantize: the int8 model's path."""
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        exported, fused, quantized = work / "model.onnx", work / "fused.onnx", work / "int8.onnx"
+        try:
+            self._export(exported, hidden)
+            source = _fuse(exported, fused, self.config) or exported
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                quantize_dynamic(source, quantized, weight_type=QuantType.QInt8, per_channel=True,
+                                 extra_options={"DefaultTensorType": 1})  # onnx FLOAT
+        except (RuntimeError, ValueError, TypeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelError(f"cannot build the int8 ONNX model: {first}") from None
+        return quantized
+
+    def _export(self, target: Path, hidden: bool) -> None:
+        layers = int(self.config.num_hidden_layers)
+        outputs = ["last_hidden_state"] + ([f"hidden_{i}" for i in range(layers + 1)]
+                                           if hidden else [])
+        axes = {name: {0: "batch", 1: "tokens"} for name in self._inputs + outputs}
+        ids = torch.ones(2, 8, dtype=torch.long)
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 5:] = 0  # padding in the example, so the mask is not traced away
+        example = {"input_ids": ids, "attention_mask": mask,
+                   "token_type_ids": torch.zeros_like(ids)}
+        self._model.set_attn_implementation("eager")  # SDPA's mask shortcuts do not export
+        with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                _Outputs(self._model, self._inputs, hidden),
+                tuple(example[name] for name in self._inputs), str(target),
+                input_names=self._inputs, output_names=outputs, dynamic_axes=axes,
+                opset_version=OPSET, dynamo=False,
+            )
+
+
+class _Outputs(torch.nn.Module):
+    """The transformer as a function of positional inputs to a flat tuple of outputs."""
+
+    def __init__(self, model: torch.nn.Module, inputs: list[str], hidden: bool) -> None:
+        super().__init__()
+        self.model, self.inputs, self.hidden = model, inputs, hidden
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model(**dict(zip(self.inputs, tensors, strict=True)),
+                         output_hidden_states=self.hidden)
+        return (out.last_hidden_state, *(out.hidden_states if self.hidden else ()))
+
+
+def _fuse(source: Path, target: Path, config: Any) -> Path | None:
+    """ORT's transformer fusions for BERT-like models; None where it does not know the type."""
+    if getattr(config, "model_type", None) not in FUSED_TYPES:
+        return None
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    optimized = optimize_model(str(source), model_type="bert", opt_level=1,
+                               num_heads=int(config.num_attention_heads),
+                               hidden_size=int(config.hidden_size))
+    optimized.save_model_to_file(str(target))
+    return target
+
+
+def _session(path: Path) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _record_sha(path: Path, sha: str) -> None:
+    path.with_suffix(".json").write_text(json.dumps({"sha256": sha}))
+
+
+def _verified(path: Path) -> bool:
+    """The cached file exists and is the one recorded (else it is built again)."""
+    try:
+        recorded = json.loads(path.with_suffix(".json").read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return path.is_file() and recorded == _sha256(path)

@@ -1,7 +1,9 @@
-"""`--dtype int8`: quantized Linear layers, close to fp32, its own fingerprint, CPU only."""
+"""`--dtype int8`: the encoder in ONNX Runtime with int8 weights, close to fp32, its own
+fingerprint, built once per model and cache, CPU only."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,27 +13,69 @@ import torch
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError
+from pipeline.quantize import OnnxInt8Model
 from tests._flowkit import text_for
 
+TEXTS = [text_for(i) for i in range(40)]
 
-def _embedder(model: Path, dtype: str) -> Embedder:
+
+def _embedder(model: Path, dtype: str, *poolers: PoolerSpec) -> Embedder:
     return Embedder(EncoderConfig(model=str(model), dtype=dtype, device="cpu"),
-                    [PoolerSpec(name="mean")])
+                    list(poolers) or [PoolerSpec(name="mean")])
 
 
-def test_int8_quantizes_every_linear_and_stays_close_to_fp32(tiny_model_dir: Path) -> None:
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "onnx-int8"
+
+
+def test_int8_runs_in_onnx_runtime_close_to_fp32(tiny_model_dir: Path, cache: Path) -> None:
     fp32, int8 = _embedder(tiny_model_dir, "fp32"), _embedder(tiny_model_dir, "int8")
     assert int8.info.dtype == "int8"
-    kinds = {type(m) for m in int8.encoder.model.modules()}
-    assert torch.nn.Linear not in kinds  # every float Linear swapped...
-    assert torch.ao.nn.quantized.dynamic.Linear in kinds  # ...for the int8 one
-    texts = [text_for(i) for i in range(40)]
-    a, b = fp32.encode(texts), int8.encode(texts)
+    assert isinstance(int8.encoder.model, OnnxInt8Model)
+    a, b = fp32.encode(TEXTS), int8.encode(TEXTS)
     cosine = np.sum(a * b, axis=1)  # both normalised
     assert cosine.min() > 0.95
     assert not np.allclose(a, b, atol=1e-6)  # the vectors really changed...
     assert int8.fingerprint("mean") != fp32.fingerprint("mean")  # ...so the set is another
-    assert int8.info.model_hash == f"{fp32.info.model_hash}-int8"
+    assert int8.info.model_hash == f"{fp32.info.model_hash}-onnx-int8"
+    assert len(list(cache.glob("*.onnx"))) == 1  # the int8 model, kept for the next start
+
+
+def test_int8_model_is_reused_and_rebuilt_when_altered(tiny_model_dir: Path, cache: Path
+                                                       ) -> None:
+    first = _embedder(tiny_model_dir, "int8").encode(TEXTS)
+    [built] = cache.glob("*.onnx")
+    stamp = built.stat().st_mtime_ns
+    again = _embedder(tiny_model_dir, "int8").encode(TEXTS)
+    assert built.stat().st_mtime_ns == stamp  # loaded, not built again
+    np.testing.assert_array_equal(first, again)
+    built.write_bytes(built.read_bytes()[:-100] + bytes(100))  # altered in the cache
+    rebuilt = _embedder(tiny_model_dir, "int8").encode(TEXTS)
+    np.testing.assert_allclose(first, rebuilt, atol=1e-6)
+    assert built.stat().st_mtime_ns != stamp
+
+
+def test_int8_gives_every_layer_to_layer_poolers(tiny_model_dir: Path, cache: Path) -> None:
+    spec = PoolerSpec(name="layers", strategy="mean", layers=(0, 1, -1))
+    fp32, int8 = _embedder(tiny_model_dir, "fp32", spec), _embedder(tiny_model_dir, "int8", spec)
+    cosine = np.sum(fp32.encode(TEXTS) * int8.encode(TEXTS), axis=1)
+    assert cosine.min() > 0.95
+    assert len(list(cache.glob("*.onnx"))) == 1  # only the session with hidden states was built
+
+
+def test_int8_refuses_the_attention_pooler(tiny_model_dir: Path, cache: Path) -> None:
+    with pytest.raises(ConfigError, match="attention pooler needs"):
+        _embedder(tiny_model_dir, "int8", PoolerSpec(name="attention"))
+
+
+def test_int8_without_onnxruntime_says_what_to_install(
+    tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match=r"embedpipe\[int8\]"):
+        _embedder(tiny_model_dir, "int8")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to refuse")
