@@ -17,13 +17,16 @@ Vectors change, so an int8 set has its own fingerprint (``quantized_hash``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -113,7 +116,7 @@ class OnnxInt8Model:
         try:
             self._export(exported, hidden)
             source = _fuse(exported, fused, self.config) or exported
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _quiet_root_logger():
                 warnings.simplefilter("ignore")
                 quantize_dynamic(source, quantized, weight_type=QuantType.QInt8, per_channel=True,
                                  extra_options={"DefaultTensorType": 1})  # onnx FLOAT
@@ -167,6 +170,18 @@ def _fuse(source: Path, target: Path, config: Any) -> Path | None:
                                hidden_size=int(config.hidden_size))
     optimized.save_model_to_file(str(target))
     return target
+
+
+@contextlib.contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """ONNX Runtime's quantizer advises "pre-processing" through the root logger on every
+    build: advice to developers, not a message for the user's terminal."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
 
 
 def _session(path: Path) -> Any:
