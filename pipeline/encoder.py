@@ -88,7 +88,8 @@ class Encoder:
         self.folder = self.files.folder
         try:
             self.tokenizer = loader.load_tokenizer(self.files, cfg.trust_remote_code)
-            self.model = loader.load_transformer(self.files, cfg.trust_remote_code, need_attention)
+            self.model = loader.load_transformer(
+                self.files, cfg.trust_remote_code, eager=need_attention or cfg.dtype == INT8)
         except (OSError, ValueError, KeyError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(f"cannot load an encoder from {self.folder}: {first}") from None

@@ -65,6 +65,7 @@ class OnnxInt8Model:
     """
 
     def __init__(self, model: torch.nn.Module, model_hash: str, token_types: bool) -> None:
+        """``model``: loaded with eager attention (SDPA's mask shortcuts do not export)."""
         require_onnxruntime()
         self.config = model.config
         self._model = model
@@ -135,7 +136,6 @@ class OnnxInt8Model:
         mask[1, 5:] = 0  # padding in the example, so the mask is not traced away
         example = {"input_ids": ids, "attention_mask": mask,
                    "token_type_ids": torch.zeros_like(ids)}
-        self._model.set_attn_implementation("eager")  # SDPA's mask shortcuts do not export
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(

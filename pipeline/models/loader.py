@@ -127,8 +127,9 @@ def _lower_case(tokenizer) -> None:
     backend.normalizer = NormalizerSequence(steps)
 
 
-def load_transformer(files: ModelFiles, trust_remote_code: bool, need_attention: bool):
-    """The transformer in eval mode (eager attention only when a pooler reads attention)."""
+def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool):
+    """The transformer in eval mode; eager attention only where asked (a pooler reads the
+    attention weights, or the int8 path exports the graph), SDPA otherwise."""
     from transformers import AutoConfig, AutoModel
 
     from pipeline.hardware import make_cpu_bf16_safe
@@ -139,7 +140,7 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, need_attention:
                                         **hub)
     model_args = {k: v for k, v in files.transformer.model_args.items()
                   if k not in ("attn_implementation", "local_files_only")}
-    attn = "eager" if need_attention else "sdpa"
+    attn = "eager" if eager else "sdpa"
     model = AutoModel.from_pretrained(str(files.transformer_dir), config=config,
                                       attn_implementation=attn, **model_args, **hub)
     return model.eval()
