@@ -18,7 +18,7 @@ from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
 from pipeline.models.head import ModelParts
 from pipeline.precision import CALIBRATION_TEXTS, choose_device, choose_dtype
-from pipeline.quantize import INT8, OnnxInt8Model, quantized_hash
+from pipeline.quantize import INT8, OnnxInt8Model, check_int8, quantized_hash
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ class Encoder:
         self.cfg = cfg
         self.files = loader.read_model_files(cfg.model)
         loader.refuse_remote_code(self.files, cfg.trust_remote_code)
+        if cfg.dtype == INT8:  # before the model loads
+            check_int8(need_attention)
         self.folder = self.files.folder
         try:
             self.tokenizer = loader.load_tokenizer(self.files, cfg.trust_remote_code)
@@ -112,9 +114,6 @@ class Encoder:
         self.dtype = choose_dtype(cfg.dtype, self.device, self._cosine_to_fp32)
         self.model_hash = quantized_hash(self.files.model_hash(), self.dtype)
         if self.dtype == INT8:
-            if need_attention:
-                raise ConfigError("the attention pooler needs the model's attention weights, "
-                                  "which dtype int8 (ONNX Runtime) does not give: use fp32")
             self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types)
 
     def _max_length(self, model_limit) -> int:

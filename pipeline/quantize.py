@@ -21,8 +21,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import shutil
 import tempfile
 import threading
 import warnings
@@ -33,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pipeline import storage
 from pipeline.config import stable_hash
 from pipeline.errors import ConfigError, ModelError
 from pipeline.settings import cache_root
@@ -47,8 +46,12 @@ def quantized_hash(model_hash: str, dtype: str) -> str:
     return f"{model_hash}-onnx-{INT8}" if dtype == INT8 else model_hash
 
 
-def require_onnxruntime() -> None:
-    """Raise a one-line ConfigError unless ONNX Runtime and onnx are installed."""
+def check_int8(need_attention: bool) -> None:
+    """Before the model loads: a one-line ConfigError where int8 cannot run this job (the
+    attention pooler, or ONNX Runtime and onnx not installed)."""
+    if need_attention:
+        raise ConfigError("the attention pooler needs the model's attention weights, which "
+                          "dtype int8 (ONNX Runtime) does not give: use fp32")
     try:
         import onnx  # noqa: F401
         import onnxruntime  # noqa: F401
@@ -65,8 +68,8 @@ class OnnxInt8Model:
     """
 
     def __init__(self, model: torch.nn.Module, model_hash: str, token_types: bool) -> None:
-        """``model``: loaded with eager attention (SDPA's mask shortcuts do not export)."""
-        require_onnxruntime()
+        """``model``: loaded with eager attention (SDPA's mask shortcuts do not export), after
+        ``check_int8``."""
         self.config = model.config
         self._model = model
         self._hash = model_hash
@@ -101,12 +104,10 @@ class OnnxInt8Model:
         if _verified(path):
             return path
         with tempfile.TemporaryDirectory(prefix="embedpipe-onnx-") as work:
-            built = self._build(Path(work), hidden)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            shutil.copyfile(built, partial)
-            _record_sha(path, _sha256(partial))
-            os.replace(partial, path)
+            data = self._build(Path(work), hidden).read_bytes()
+        storage.write_bytes(str(path), data)  # the model, then its checksum: both atomic
+        storage.write_json(str(path.with_suffix(".json")),
+                           {"sha256": hashlib.sha256(data).hexdigest()})
         return path
 
     def _build(self, work: Path, hidden: bool) -> Path:
@@ -194,22 +195,10 @@ def _session(path: Path) -> Any:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _record_sha(path: Path, sha: str) -> None:
-    path.with_suffix(".json").write_text(json.dumps({"sha256": sha}))
-
-
 def _verified(path: Path) -> bool:
     """The cached file exists and is the one recorded (else it is built again)."""
     try:
         recorded = json.loads(path.with_suffix(".json").read_text()).get("sha256")
     except (OSError, ValueError, AttributeError):
         return False
-    return path.is_file() and recorded == _sha256(path)
+    return path.is_file() and recorded == storage.sha256(str(path))
