@@ -28,6 +28,7 @@ from pipeline.data import EmbeddingBatch, TextBatch
 from pipeline.encoder import Encoder, EncoderInfo, Prompt
 from pipeline.errors import ConfigError
 from pipeline.poolers import Pooler, build_pooler
+from pipeline.token_rows import TokenRows
 from pipeline.windows import Pieces, truncate, windows
 
 MIN_FILL = 0.9  # a batch ends before real tokens fall under 90% of padded (bench/encode_bench.py)
@@ -38,7 +39,7 @@ class Tokens:
     """Tokenized texts: ids (the prompt's first), the prompt's tokens at the start of each
     (``lead``) and the prompt's length as the pooler sees it."""
 
-    ids: list[list[int]]
+    ids: TokenRows
     lead: np.ndarray
     prompt_length: int
 
@@ -106,14 +107,15 @@ class Embedder:
         prompt (the document prompt unless another is given)."""
         prompt = self.encoder.document_prompt if prompt is None else prompt
         ids = self.encoder.tokenize(texts, prompt) if texts else []
-        return Tokens(ids, self.encoder.prompt_lead(ids, prompt), prompt.length)
+        lead = self.encoder.prompt_lead(ids, prompt)
+        return Tokens(TokenRows.from_lists(ids), lead, prompt.length)
 
     def encode_tokens(self, ids: list, tokens: Tokens) -> EmbeddingBatch:
         """Step 2 of ``embed``: the forward passes and poolers over tokenized texts."""
-        if not tokens.ids:
+        if not len(tokens.ids):
             empty = {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()}
             return EmbeddingBatch([], empty)
-        total = np.fromiter((len(t) for t in tokens.ids), dtype=np.int64, count=len(tokens.ids))
+        total = tokens.ids.lengths
         lengths = total - tokens.lead  # the text's own tokens, after the prompt's
         pieces = self._plan(lengths, tokens.lead)
         raw = self._forward_pieces(tokens.ids, tokens.lead, pieces, tokens.prompt_length)
@@ -148,7 +150,7 @@ class Embedder:
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         return windows(lengths, window.size - specials - lead, window.stride)
 
-    def _forward_pieces(self, tokens: list[list[int]], lead: np.ndarray, pieces: Pieces,
+    def _forward_pieces(self, tokens: TokenRows, lead: np.ndarray, pieces: Pieces,
                         prompt_length: int) -> dict[str, np.ndarray]:
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         out = {n: np.empty((len(pieces), p.width), np.float32) for n, p in self.poolers.items()}
@@ -158,10 +160,9 @@ class Embedder:
         )
         pooled: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
         for idx in batches:
-            chunk = [_piece(tokens[r], lead[r], s, e)
-                     for r, s, e in zip(pieces.row[idx], pieces.start[idx], pieces.end[idx],
-                                        strict=True)]
-            ids, mask = self.encoder.pad(chunk)
+            rows = pieces.row[idx]
+            ids, mask = self.encoder.pad_rows(tokens, rows, lead[rows], pieces.start[idx],
+                                              pieces.end[idx])
             states = self.encoder.forward(ids, mask, self.layers, self.attention, prompt_length)
             pooled.append((idx, {n: p(states).float() for n, p in self.poolers.items()}))
         # copied back only now, so a GPU never waits for the host between batches
@@ -179,11 +180,6 @@ class Embedder:
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors = vectors / np.maximum(norms, 1e-12)
         return np.ascontiguousarray(vectors, dtype=np.float32)
-
-
-def _piece(ids: list[int], lead: int, start: int, end: int) -> list[int]:
-    """The prompt's ``lead`` ids, then the text's own ids ``start:end``."""
-    return ids[:lead] + ids[lead + start : lead + end]
 
 
 def aggregate_windows(raw: np.ndarray, pieces: Pieces, rows: int, how: WindowAgg) -> np.ndarray:

@@ -19,6 +19,7 @@ from pipeline.errors import ConfigError, ModelError
 from pipeline.models.head import ModelParts
 from pipeline.precision import CALIBRATION_TEXTS, choose_device, choose_dtype
 from pipeline.quantize import INT8, OnnxInt8Model, check_int8, quantized_hash
+from pipeline.token_rows import TokenRows, pad_rows
 
 
 @dataclass(frozen=True)
@@ -204,13 +205,17 @@ class Encoder:
 
     def pad(self, pieces: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Wrap each piece in special tokens and right-pad into ids and a bool mask."""
-        rows = [self.prefix + p + self.suffix for p in pieces]
-        width = max(len(r) for r in rows)
-        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        mask = np.zeros((len(rows), width), dtype=bool)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = row
-            mask[i, : len(row)] = True
+        tokens = TokenRows.from_lists(pieces)
+        everything = np.arange(len(tokens))
+        none = np.zeros(len(tokens), np.int64)
+        return self.pad_rows(tokens, everything, none, none, tokens.lengths)
+
+    def pad_rows(self, tokens: TokenRows, rows: np.ndarray, lead: np.ndarray,
+                 start: np.ndarray, end: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pad`` of text ``rows[i]``'s first ``lead[i]`` ids (its prompt), then its ids
+        ``start[i]:end[i]`` after those (see ``pipeline.token_rows.pad_rows``)."""
+        ids, mask = pad_rows(tokens, rows, lead, start, end, self.prefix, self.suffix,
+                             self.pad_id)
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""Invariants of the pure planning code: windows and token-budget batches."""
+"""Invariants of the pure planning code: windows, token-budget batches, padded rows."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.batching import padding_efficiency, token_budget_batches
+from pipeline.token_rows import TokenRows, pad_rows
 from pipeline.windows import truncate, window_starts, windows
 
 lengths_st = st.lists(st.integers(min_value=0, max_value=400), min_size=0, max_size=60)
@@ -71,3 +72,33 @@ def test_sorting_by_length_wastes_little_padding() -> None:
     lengths = rng.integers(5, 250, size=5000)
     batches = token_budget_batches(lengths, 8192, 256)
     assert padding_efficiency(lengths, batches) > 0.95
+
+
+@st.composite
+def pieces_of_texts(draw):
+    """Texts of ids, then pieces: a text, how many leading ids are its prompt, a slice after."""
+    texts = draw(st.lists(st.lists(st.integers(5, 999), max_size=30), min_size=1, max_size=12))
+    pieces = []
+    for _ in range(draw(st.integers(1, 20))):
+        row = draw(st.integers(0, len(texts) - 1))
+        lead = draw(st.integers(0, len(texts[row])))
+        start = draw(st.integers(0, len(texts[row]) - lead))
+        end = draw(st.integers(start, len(texts[row]) - lead))
+        pieces.append((row, lead, start, end))
+    return texts, pieces
+
+
+@given(pieces_of_texts(), st.lists(st.integers(1, 4), max_size=2),
+       st.lists(st.integers(1, 4), max_size=2))
+def test_padded_rows_are_prefix_prompt_slice_suffix_then_padding(
+    drawn, prefix: list[int], suffix: list[int]
+) -> None:
+    texts, pieces = drawn
+    rows, lead, start, end = (np.array(column) for column in zip(*pieces, strict=True))
+    ids, mask = pad_rows(TokenRows.from_lists(texts), rows, lead, start, end, prefix, suffix, 0)
+    expected = [prefix + texts[r][:k] + texts[r][k + s : k + e] + suffix
+                for r, k, s, e in pieces]
+    assert ids.shape == (len(pieces), max(map(len, expected)))
+    for got, keep, want in zip(ids.tolist(), mask.tolist(), expected, strict=True):
+        assert got == want + [0] * (len(got) - len(want))
+        assert keep == [True] * len(want) + [False] * (len(got) - len(want))

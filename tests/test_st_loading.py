@@ -197,9 +197,16 @@ def test_windows_repeat_the_prompt_inside_their_token_budget(
     ours = embedder(headed, window=window)
     enc = ours.encoder
     prompt = list(enc.document_prompt.ids)
-    rows: list[list[int]] = []
-    pad = enc.pad
-    monkeypatch.setattr(enc, "pad", lambda pieces: (rows.extend(pieces), pad(pieces))[1])
+    rows: list[list[int]] = []  # what the model sees, less the special tokens around it
+    pad_rows = enc.pad_rows
+
+    def seen(*args):
+        ids, mask = pad_rows(*args)
+        wrapped = [row[keep].tolist() for row, keep in zip(ids, mask, strict=True)]
+        rows.extend(r[len(enc.prefix) : len(r) - len(enc.suffix)] for r in wrapped)
+        return ids, mask
+
+    monkeypatch.setattr(enc, "pad_rows", seen)
     long_text = " ".join(f"token{i}" for i in range(60))
     ours.embed(TextBatch([0], [long_text]))
     body = enc.tokenize([long_text])[0]
