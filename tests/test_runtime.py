@@ -117,7 +117,6 @@ def test_configured_api_url_ephemeral_mode_or_a_python_caller_starts_nothing(
     assert not (tmp_path / "cache" / "prefect-server.json").exists()
 
 
-
 def test_requests_in_progress_or_recent_keep_the_server_from_idling() -> None:
     """A long run talks to the server all along; its requests, not only new runs, count."""
     import asyncio

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.batching import token_budget_batches
 from pipeline.encoder import Encoder
+from pipeline.token_rows import TokenRows
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,12 @@ def build_cache(
     offsets = np.zeros(len(tokens) + 1, np.int64)
     np.cumsum(sizes, out=offsets[1:])
     flat = torch.empty((int(offsets[-1]), len(layers), encoder.hidden_size), dtype=dtype)
-    content = encoder.content_length
+    token_ids = TokenRows.from_lists(tokens)
+    kept = np.minimum(token_ids.lengths, encoder.content_length)  # content ids per row, truncated
     batches = token_budget_batches(lengths, encoder.cfg.token_budget, encoder.cfg.max_batch_rows)
     for rows in batches:
-        ids, mask = encoder.pad([tokens[i][:content] for i in rows])
+        none = np.zeros(len(rows), np.int64)
+        ids, mask = encoder.pad_rows(token_ids, rows, none, none, kept[rows])
         out = encoder.forward(ids, mask, set(layers), attention=False)
         stacked = torch.stack([out.hidden[i] for i in layers], dim=2).cpu()  # [b, t, L, H]
         mask = mask.cpu()
