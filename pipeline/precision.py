@@ -1,19 +1,27 @@
 """Choosing the device and the dtype: the fastest that keeps cosine >= 0.9999 to fp32.
 
-This module knows nothing of encoders: ``choose_dtype`` is handed a function that measures
-how close a candidate dtype's vectors stay to fp32 (the encoder runs it on its own model).
+This module knows nothing of encoders: ``choose_dtype`` is handed a function that measures a
+candidate dtype on the encoder's own model (how close its vectors stay to fp32, how much
+faster it runs), and caches that measurement per model, machine and torch version. A fast
+bf16 matrix unit does not make every model faster: a tiny encoder's few small products cost
+less than the casts around them (a 32-wide BERT ran 1.3x slower in bf16 on an AVX512-BF16 CPU
+whose bf16 matrix peak is 4.5x its fp32 one), so ``auto`` times the model, not the hardware.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.hardware import cpu_bf16_is_faster, cpu_profile
+from pipeline.hardware import cpu_bf16_is_faster, cpu_key, cpu_profile
+from pipeline.settings import cache_root
 
 MIN_COSINE = 0.9999
+MIN_SPEEDUP = 1.1  # a half dtype must be 10% faster on the model to be worth its rounding
 CALIBRATION_TEXTS = [
     "A fast batch embedding pipeline for Parquet corpora.",
     "def main():\n    return 0",
@@ -32,10 +40,23 @@ def choose_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def choose_dtype(dtype: str, device: torch.device, cosine_to_fp32: Callable[[str], float]) -> str:
-    """Resolve ``auto`` by hardware and ``cosine_to_fp32(candidate)``; validate explicit choices.
+@dataclass(frozen=True)
+class DtypeCheck:
+    """A half dtype measured on one model against fp32."""
 
-    ``cosine_to_fp32`` is only called for ``auto`` on hardware where a half dtype is faster.
+    cosine: float  # lowest cosine between its vectors and fp32's over CALIBRATION_TEXTS
+    speedup: float  # fp32 forward time / its forward time on a timing batch
+
+    def wins(self) -> bool:
+        return self.cosine >= MIN_COSINE and self.speedup >= MIN_SPEEDUP
+
+
+def choose_dtype(dtype: str, device: torch.device, check: Callable[[str], DtypeCheck],
+                 model_key: str) -> str:
+    """Resolve ``auto`` by hardware and ``check(candidate)``; validate explicit choices.
+
+    ``check`` is only called for ``auto`` on hardware whose half dtype has a fast path, and
+    once per ``model_key`` (the model's hash and attention kernel), machine and torch version.
     """
     on_cuda = device.type == "cuda"
     if dtype == "fp16" and not on_cuda:
@@ -52,4 +73,25 @@ def choose_dtype(dtype: str, device: torch.device, cosine_to_fp32: Callable[[str
         candidate = "bf16"
     else:
         return "fp32"
-    return candidate if cosine_to_fp32(candidate) >= MIN_COSINE else "fp32"
+    key = f"{model_key}-{candidate}-{_device_key(device)}"
+    return candidate if cached_check(key, lambda: check(candidate)).wins() else "fp32"
+
+
+def cached_check(key: str, measure: Callable[[], DtypeCheck]) -> DtypeCheck:
+    """``measure()``, or what it gave the last time for ``key`` (cached under cache_root)."""
+    path = cache_root() / f"dtype-{key}.json"
+    try:
+        return DtypeCheck(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):  # absent or unreadable: measure again
+        pass
+    result = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(result)))
+    return result
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return "cuda-" + "".join(c if c.isalnum() else "_" for c in name)
+    return f"cpu-{cpu_key()}"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.hardware import make_cpu_bf16_safe
+from pipeline.hardware import prepare_cpu_kernels
 
-make_cpu_bf16_safe()  # before any torch kernel runs in the tests (see pipeline.hardware)
+prepare_cpu_kernels()  # before any torch kernel runs in the tests (see pipeline.hardware)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

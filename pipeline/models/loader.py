@@ -132,9 +132,9 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool):
     attention weights, or the int8 path exports the graph), SDPA otherwise."""
     from transformers import AutoConfig, AutoModel
 
-    from pipeline.hardware import make_cpu_bf16_safe
+    from pipeline.hardware import prepare_cpu_kernels
 
-    make_cpu_bf16_safe()  # before torch's first CPU kernel (see pipeline.hardware)
+    prepare_cpu_kernels()  # before torch's first CPU kernel (see pipeline.hardware)
     hub = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     config = AutoConfig.from_pretrained(str(files.transformer_dir), **files.transformer.config_args,
                                         **hub)

@@ -1,0 +1,108 @@
+"""``dtype auto`` measured on the model itself, cached; half-dtype weights cast once."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import EncoderConfig
+from pipeline.encoder import Encoder
+from pipeline.hardware import ONEDNN_CACHES, cpu_bf16_is_faster, cpu_profile, prepare_cpu_kernels
+from pipeline.models import loader
+from pipeline.precision import MIN_COSINE, DtypeCheck, cached_check, choose_dtype
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_a_half_dtype_wins_only_when_close_and_faster() -> None:
+    assert DtypeCheck(cosine=0.99995, speedup=3.0).wins()
+    assert not DtypeCheck(cosine=0.99995, speedup=0.86).wins()  # slower on this model
+    assert not DtypeCheck(cosine=MIN_COSINE - 1e-5, speedup=3.0).wins()  # too far from fp32
+
+
+def test_auto_takes_bf16_only_where_the_hardware_and_the_model_say_so(cache: Path) -> None:
+    asked: list[str] = []
+
+    def check(speedup: float):
+        def measure(candidate: str) -> DtypeCheck:
+            asked.append(candidate)
+            return DtypeCheck(cosine=0.99999, speedup=speedup)
+        return measure
+
+    fast = choose_dtype("auto", CPU, check(3.0), "model-a")
+    slow = choose_dtype("auto", CPU, check(0.8), "model-b")
+    if cpu_bf16_is_faster():
+        assert (fast, slow, asked) == ("bf16", "fp32", ["bf16", "bf16"])
+    else:  # no fast bf16 path: the model is never timed in an emulated dtype
+        assert (fast, slow, asked) == ("fp32", "fp32", [])
+    assert choose_dtype("fp32", CPU, check(3.0), "model-a") == "fp32"
+
+
+def test_the_measurement_is_cached_per_key_and_remeasured_when_unreadable(cache: Path) -> None:
+    calls: list[int] = []
+
+    def measure() -> DtypeCheck:
+        calls.append(1)
+        return DtypeCheck(cosine=0.99991, speedup=2.5)
+
+    first = cached_check("k1", measure)
+    again = cached_check("k1", measure)
+    assert first == again == DtypeCheck(cosine=0.99991, speedup=2.5)
+    assert len(calls) == 1
+    (cache / "dtype-k1.json").write_text("{not json")
+    assert cached_check("k1", measure) == first
+    assert len(calls) == 2
+    cached_check("k2", measure)  # another model or machine: its own measurement
+    assert len(calls) == 3
+
+
+def test_the_tiny_encoder_is_timed_and_its_choice_recorded(cache: Path,
+                                                           tiny_model_dir: Path) -> None:
+    encoder = Encoder(EncoderConfig(model=str(tiny_model_dir), device="cpu"))
+    assert encoder.dtype in {"fp32", "bf16"}
+    saved = list(cache.glob("dtype-*.json"))
+    if cpu_bf16_is_faster():  # measured once, and the choice follows the measurement
+        assert len(saved) == 1
+        check = DtypeCheck(**json.loads(saved[0].read_text()))
+        assert check.speedup > 0 and 0.99 < check.cosine <= 1.0 + 1e-6
+        assert encoder.dtype == ("bf16" if check.wins() else "fp32")
+    else:
+        assert (encoder.dtype, saved) == ("fp32", [])
+
+
+@pytest.mark.skipif(not cpu_profile()["bf16_ok"], reason="this CPU cannot run bf16")
+def test_bf16_weights_cast_once_give_autocasts_vectors(tiny_model_dir: Path) -> None:
+    """Linear weights stored in bf16 round exactly as autocast rounds them every forward."""
+    encoder = Encoder(EncoderConfig(model=str(tiny_model_dir), device="cpu", dtype="bf16"))
+    linears = [m for m in encoder.model.modules() if isinstance(m, torch.nn.Linear)]
+    norms = [m for m in encoder.model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert norms and all(m.weight.dtype == torch.float32 for m in norms)
+    ids, mask = encoder.pad(encoder.tokenize(["weights cast once", "a second, longer text " * 4]))
+    got = encoder.forward(ids, mask, {encoder.num_layers}, False).layer(-1)
+    plain = loader.load_transformer(loader.read_model_files(str(tiny_model_dir)), False, False)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = plain(input_ids=ids, attention_mask=mask.long(),
+                    token_type_ids=torch.zeros_like(ids))
+    assert torch.equal(got, out.last_hidden_state.float())
+
+
+def test_onednn_kernel_caches_are_bounded_unless_the_user_set_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ONEDNN_CACHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    prepare_cpu_kernels()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == ONEDNN_CACHES[
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
