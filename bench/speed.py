@@ -101,6 +101,11 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=None, help="scratch folder")
     parser.add_argument("--no-startup", action="store_true", help="skip the start-up runs")
     args = parser.parse_args()
+    # the environment as the user has it, before this process imports anything that sets
+    # variables of its own (the tiny model's builder sets oneDNN's cache bounds): each tree's
+    # runs must get only what that tree sets itself
+    base_env = dict(os.environ) | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    base_env.pop("PREFECT_API_URL", None)
     work = args.work or Path(tempfile.mkdtemp(prefix="embedpipe-speed-"))
     work.mkdir(parents=True, exist_ok=True)
     model = work / "tiny"
@@ -111,8 +116,6 @@ def main() -> int:
     report: dict = {"cpu_flags": flags, "fp32_matmul_gflops": round(peak, 1),
                     "cores": os.cpu_count(), "load_avg": os.getloadavg()}
     print(json.dumps(report), flush=True)
-    base_env = dict(os.environ) | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    base_env.pop("PREFECT_API_URL", None)
     envs = {  # a cache dir per tree: each first run pays its own CPU probe and model hash
         label: base_env | {"EMBEDPIPE_CACHE": str(work / f"cache-{label}")}
         for label in ("before", "after")
