@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from pipeline.hardware import prepare_cpu_kernels
+from pipeline.settings import cache_root
 
+
+def _own_cache_dir() -> Path:
+    """A cache dir for this pytest session alone, and so its own local Prefect API, which it
+    stops at its end: two sessions on one machine (a developer's and CI's, or xdist workers)
+    never stop each other's server. The CPU probe, measured once per machine, comes along."""
+    own = Path(tempfile.mkdtemp(prefix="embedpipe-tests-"))
+    for probe in cache_root().glob("cpu-probe-*.json"):
+        shutil.copy(probe, own)
+    os.environ["EMBEDPIPE_CACHE"] = str(own)
+    return own
+
+
+SESSION_CACHE = _own_cache_dir()
 prepare_cpu_kernels()  # before any torch kernel runs in the tests (see pipeline.hardware)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -123,13 +139,11 @@ def prefect_api():
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_prefect_server_outlives_the_suite():
-    """CLI subprocesses share the CLI's reused local Prefect API (flows.runtime); it is stopped
-    when the session ends (the cache dir as it was at the start: a test may change the
-    environment), so no server outlives the test run; a test that starts one under its own
-    cache dir stops it itself."""
+    """CLI subprocesses share the CLI's reused local Prefect API (flows.runtime) of the
+    session's cache dir; it is stopped when the session ends, so no server outlives the test
+    run; a test that starts one under its own cache dir stops it itself."""
     from flows.runtime import stop_local_server
-    from pipeline.settings import cache_root
 
-    cache = cache_root()
     yield
-    stop_local_server(cache)
+    stop_local_server(SESSION_CACHE)
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
