@@ -9,9 +9,10 @@ this process (before torch runs any CPU kernel) and bf16 is measured again. The 
 oneDNN (bf16 and int8 matrix work on a CPU) JIT-compiles a kernel for every input shape and
 keeps it in two caches of 1,024 entries each (its own primitive cache and ideep's
 ``LRU_CACHE_CAPACITY``). An embedding run feeds a new batch shape almost every batch, so
-without a bound its memory grows with the corpus: 200,000 PyPI summaries through a tiny bf16
-encoder peaked at 1,389 MB where 20,000 peaked at 909; with both caches at 64, 657 MB and
-no slower (7.4 s vs 7.8 s). A forward pass reuses only its own few shapes.
+without a bound its memory grows with the corpus: ``embedpipe embed`` of 200,000 PyPI
+summaries through a tiny encoder in bf16 peaked at 1,278 MB where 20,000 rows peaked at 808
+MB; in library calls over the 200,000 rows, 1,389 MB with the default caches and 657 MB with
+both at 64, no slower (7.4 s vs 7.8 s). A forward pass reuses only its own few shapes.
 """
 
 from __future__ import annotations
