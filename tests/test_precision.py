@@ -81,6 +81,20 @@ def test_the_tiny_encoder_is_timed_and_its_choice_recorded(cache: Path,
 
 
 @pytest.mark.skipif(not cpu_profile()["bf16_ok"], reason="this CPU cannot run bf16")
+def test_the_check_measures_bf16_on_the_model_and_leaves_it_in_fp32(tiny_model_dir: Path) -> None:
+    """Run directly, so CPUs whose bf16 is emulated (where ``auto`` never asks) cover it too."""
+    encoder = Encoder(EncoderConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32"))
+    ids, mask = encoder.pad(encoder.tokenize(["measured, then back to fp32"]))
+    before = encoder.forward(ids, mask, {encoder.num_layers}, False).layer(-1)
+    check = encoder._check_dtype("bf16")
+    assert 0.99 < check.cosine <= 1.0 + 1e-6
+    assert check.speedup > 0
+    assert encoder.dtype == "fp32"
+    after = encoder.forward(ids, mask, {encoder.num_layers}, False).layer(-1)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.skipif(not cpu_profile()["bf16_ok"], reason="this CPU cannot run bf16")
 def test_bf16_weights_cast_once_give_autocasts_vectors(tiny_model_dir: Path) -> None:
     """Linear weights stored in bf16 round exactly as autocast rounds them every forward."""
     encoder = Encoder(EncoderConfig(model=str(tiny_model_dir), device="cpu", dtype="bf16"))
