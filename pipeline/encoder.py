@@ -249,12 +249,14 @@ class Encoder:
 
     def _check_dtype(self, dtype: str) -> DtypeCheck:
         """``dtype`` against fp32 on this model: the lowest cosine between mean-pooled
-        calibration vectors, and the speed-up of a forward over a 16 x 64-token batch."""
+        calibration vectors, and the speed-up of a forward over a batch of the calibration
+        ids (``TIMING_BATCH``: on a GPU a small batch would time kernel launches, not math)."""
         pieces = [ids[: self.content_length] for ids in self.tokenize(CALIBRATION_TEXTS)]
         ids, mask = self.pad(pieces)
-        width = min(64, self.max_length) - len(self.prefix) - len(self.suffix)
+        rows, tokens = TIMING_BATCH[self.device.type == "cuda"]
+        width = min(tokens, self.max_length) - len(self.prefix) - len(self.suffix)
         row = np.resize(np.concatenate([np.asarray(p, np.int64) for p in pieces]), width)
-        timing = self.pad([row.tolist()] * 16)  # the calibration ids, 16 rows of 64 tokens
+        timing = self.pad([row.tolist()] * rows)
         vectors, seconds = [], []
         for candidate in ("fp32", dtype):
             self.dtype = candidate
@@ -280,6 +282,7 @@ class Encoder:
 
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TIMING_BATCH = {False: (16, 64), True: (256, 128)}  # on a GPU? -> (rows, tokens per row)
 
 
 def cast_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
