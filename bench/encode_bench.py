@@ -254,7 +254,8 @@ def bench(args: argparse.Namespace) -> dict:
     st = SentenceTransformer(str(get_model_path()), device=info.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
     peak = matmul_peak(dtype, config.hidden_size, config.intermediate_size)
-    report["encoder"] = info.__dict__ | {"token_budget": embedder.cfg.token_budget}
+    report["encoder"] = info.__dict__ | {"token_budget": embedder.encoder.token_budget,
+                                         "max_batch_rows": embedder.encoder.max_batch_rows}
     report["matmul_peak_gflops"] = peak
     # warm both
     st.encode(texts["short"][:64])
@@ -265,7 +266,7 @@ def bench(args: argparse.Namespace) -> dict:
         flops = encoder_flops(lengths, config)
         specials = len(embedder.encoder.prefix) + len(embedder.encoder.suffix)
         batches = token_budget_batches(
-            lengths, embedder.cfg.token_budget, embedder.cfg.max_batch_rows, MIN_FILL
+            lengths, embedder.encoder.token_budget, embedder.encoder.max_batch_rows, MIN_FILL
         )
         best_a, best_b = float("inf"), float("inf")
         rss = {"a": 0.0, "b": 0.0}

@@ -97,8 +97,9 @@ class EncoderConfig(_Strict):
     dtype: DType = "auto"
     max_length: int | None = Field(default=None, gt=2)
     window: WindowConfig | None = None
-    token_budget: int = Field(default=16384, gt=0)
-    max_batch_rows: int = Field(default=512, gt=0)
+    # padded tokens and rows per forward batch; None: the device's (encoder.BATCH_LIMITS)
+    token_budget: int | None = Field(default=None, gt=0)
+    max_batch_rows: int | None = Field(default=None, gt=0)
     trust_remote_code: bool = False
     # prompts of a sentence-transformers model (config_sentence_transformers.json), by name:
     # None = the model's default_prompt_name for documents and its "query" prompt for

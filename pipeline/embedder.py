@@ -155,8 +155,8 @@ class Embedder:
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         out = {n: np.empty((len(pieces), p.width), np.float32) for n, p in self.poolers.items()}
         batches = token_budget_batches(
-            pieces.lengths + lead[pieces.row] + specials, self.cfg.token_budget,
-            self.cfg.max_batch_rows, MIN_FILL,
+            pieces.lengths + lead[pieces.row] + specials, self.encoder.token_budget,
+            self.encoder.max_batch_rows, MIN_FILL,
         )
         pooled: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
         for idx in batches:

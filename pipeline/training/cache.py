@@ -74,7 +74,7 @@ def build_cache(
     flat = torch.empty((int(offsets[-1]), len(layers), encoder.hidden_size), dtype=dtype)
     token_ids = TokenRows.from_lists(tokens)
     kept = np.minimum(token_ids.lengths, encoder.content_length)  # content ids per row, truncated
-    batches = token_budget_batches(lengths, encoder.cfg.token_budget, encoder.cfg.max_batch_rows)
+    batches = token_budget_batches(lengths, encoder.token_budget, encoder.max_batch_rows)
     for rows in batches:
         none = np.zeros(len(rows), np.int64)
         ids, mask = encoder.pad_rows(token_ids, rows, none, none, kept[rows])
