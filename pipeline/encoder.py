@@ -256,7 +256,7 @@ class Encoder:
         ids (``TIMING_BATCH``: on a GPU a small batch would time kernel launches, not math)."""
         pieces = [ids[: self.content_length] for ids in self.tokenize(CALIBRATION_TEXTS)]
         ids, mask = self.pad(pieces)
-        rows, tokens = TIMING_BATCH[self.device.type == "cuda"]
+        rows, tokens = TIMING_BATCH.get(self.device.type, TIMING_BATCH["cpu"])
         width = min(tokens, self.max_length) - len(self.prefix) - len(self.suffix)
         row = np.resize(np.concatenate([np.asarray(p, np.int64) for p in pieces]), width)
         timing = self.pad([row.tolist()] * rows)
@@ -291,7 +291,7 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # 1,292-1,373 and 466-489 with 16,384 / 512 (long texts 72-77 vs 69-70 docs/s in bf16). A GPU
 # keeps the larger batches (not measured here: no GPU was lent).
 BATCH_LIMITS = {"cpu": (8192, 256), "cuda": (16384, 512)}
-TIMING_BATCH = {False: (16, 64), True: (256, 128)}  # on a GPU? -> (rows, tokens per row)
+TIMING_BATCH = {"cpu": (16, 64), "cuda": (256, 128)}  # (rows, tokens) the dtype check times
 
 
 def cast_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
