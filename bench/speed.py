@@ -104,7 +104,7 @@ def main() -> int:
     # the environment as the user has it, before this process imports anything that sets
     # variables of its own (the tiny model's builder sets oneDNN's cache bounds): each tree's
     # runs must get only what that tree sets itself
-    base_env = dict(os.environ) | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    base_env = dict(os.environ) | {"HF_HUB_OFFLINE": "1"}  # tokenizers as the CLI has them
     base_env.pop("PREFECT_API_URL", None)
     work = args.work or Path(tempfile.mkdtemp(prefix="embedpipe-speed-"))
     work.mkdir(parents=True, exist_ok=True)
