@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pipeline import storage
 from pipeline.errors import ConfigError
 from pipeline.hardware import cpu_bf16_is_faster, cpu_key, cpu_profile
 from pipeline.settings import cache_root
@@ -86,8 +87,7 @@ def cached_check(key: str, measure: Callable[[], DtypeCheck]) -> DtypeCheck:
     except (OSError, ValueError, TypeError):  # absent or unreadable: measure again
         pass
     result = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(result)))
+    storage.write_json(str(path), asdict(result))  # atomic: parallel workers may measure too
     return result
 
 
