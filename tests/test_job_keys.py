@@ -10,10 +10,10 @@ from _flowkit import job, read_set, run_library, same_vectors, text_for, write_c
 
 import pipeline.embedder
 from pipeline.config import EmbedJob, parse
-from pipeline.embedder import get_embedder
-from pipeline.errors import FingerprintError
+from pipeline.embedder import get_embedder, preload
+from pipeline.errors import EmbedpipeError, FingerprintError
 from pipeline.job import embed_shard
-from pipeline.run import finalize, prepare
+from pipeline.run import finalize, needs_model, prepare
 from pipeline.sets import SetFolder
 
 
@@ -99,3 +99,35 @@ def test_changed_model_files_are_never_taken_for_the_same_job(
 
     with pytest.raises(FingerprintError, match="fingerprint"):
         _plan(params, load)
+
+
+def test_needs_model_says_when_planning_will_load_it(
+        tmp_path: Path, corpus: Path, tiny_model_dir: Path) -> None:
+    params = job(corpus, tmp_path / "out", tiny_model_dir)
+    spec = parse(EmbedJob, params, "job")
+    assert needs_model(spec)  # a set to create: its fingerprint needs the model
+    run_library(params)
+    assert not needs_model(spec)  # every set carries this job's key
+    other = parse(EmbedJob, params | {"encoder": params["encoder"] | {"token_budget": 4096}},
+                  "job")
+    assert needs_model(other)  # another job's key: checked against the loaded model
+    more = parse(EmbedJob, params | {"poolers": [{"name": "mean"}, {"name": "cls"}]}, "job")
+    assert needs_model(more)
+
+
+def test_a_preloaded_model_is_the_one_a_run_gets(tiny_model_dir: Path) -> None:
+    spec = parse(EmbedJob, {"corpus": "c", "out": "o", "encoder": {
+        "model": str(tiny_model_dir), "device": "cpu", "max_length": 48}}, "job")
+    preload(spec.encoder, spec.poolers).join()
+    loaded = [e for e in pipeline.embedder._CACHE.values()
+              if e.cfg == spec.encoder and e.info.max_length == 48]
+    assert len(loaded) == 1
+    assert get_embedder(spec.encoder, spec.poolers) is loaded[0]
+
+
+def test_a_failed_preload_leaves_the_error_to_the_run(tmp_path: Path) -> None:
+    spec = parse(EmbedJob, {"corpus": "c", "out": "o",
+                            "encoder": {"model": str(tmp_path / "no-such-model")}}, "job")
+    preload(spec.encoder, spec.poolers).join()  # nothing raised in the thread, nothing cached
+    with pytest.raises(EmbedpipeError, match="no-such-model"):
+        get_embedder(spec.encoder, spec.poolers)

@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CALL = "from flows.runtime import use_local_server; print(use_local_server())"
 STOP = "from flows.runtime import stop_local_server; print(stop_local_server())"
+UP = "from flows.runtime import api_is_up; print(api_is_up())"
 IDLE_S = 20  # long enough for a run to find the server again, short enough to wait out
 
 
@@ -75,6 +76,7 @@ def test_cli_runs_share_one_server_a_rerun_loads_no_model_and_the_server_idles_o
                  "print(json.dumps([r['embedded'], r['shards_run'], 'torch' in sys.modules]))")
         assert json.loads(_call(local, rerun)) == [0, 0, False]
         assert _call(local) == url  # found healthy and reused: no second server
+        assert _call(local, UP) == "True"  # a run starts at once: no model loaded ahead
         assert json.loads(record.read_text())["pid"] == pid
         runs = httpx.post(f"{url}/flow_runs/filter", json={}, timeout=30).json()
         flows = httpx.post(f"{url}/flows/filter", json={}, timeout=30).json()
@@ -85,7 +87,11 @@ def test_cli_runs_share_one_server_a_rerun_loads_no_model_and_the_server_idles_o
         while _alive(pid) and not _zombie(pid) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not _alive(pid) or _zombie(pid), "the idle server did not exit"
-        fresh = _call(local)  # a dead record: a new server on a new port
+        assert _call(local, UP) == "False"  # the run would wait for a server: a model to load?
+        # the rerun starts a new server; with nothing to embed it still loads no model
+        assert json.loads(_call(local, rerun)) == [0, 0, False]
+        fresh = _call(local)  # the new server, on a new port
+        assert _call(local, UP) == "True"
         second = json.loads(record.read_text())["pid"]
         assert second != pid
         assert httpx.get(f"{fresh}/health", timeout=10).status_code == 200
@@ -109,8 +115,11 @@ def _zombie(pid: int) -> bool:
 def test_configured_api_url_ephemeral_mode_or_a_python_caller_starts_nothing(
         tmp_path: Path) -> None:
     local = {"EMBEDPIPE_PREFECT_SERVER": "local"}
-    assert _call(_env(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api", **local)) == "None"
+    configured = _env(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api", **local)
+    assert _call(configured) == "None"
+    assert _call(configured, UP) == "True"  # a configured API: a flow starts without waiting
     assert _call(_env(tmp_path, EMBEDPIPE_PREFECT_SERVER="ephemeral")) == "None"
+    assert _call(_env(tmp_path, EMBEDPIPE_PREFECT_SERVER="ephemeral"), UP) == "False"
     env = _env(tmp_path)
     env.pop("EMBEDPIPE_PREFECT_SERVER", None)  # a Python caller: Prefect's own server
     assert _call(env) == "None"
