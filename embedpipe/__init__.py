@@ -135,7 +135,7 @@ def _load_model_while_the_api_starts(params: dict) -> None:
     """When the flow's start will wait for an API server to boot (the local one not running,
     or Prefect's temporary one) and the run will load the model anyway (a set to create or
     claim), load it meanwhile: the flow finds it loaded. A cold server start with 3,300
-    texts to embed: 14.3-15.2 s instead of 16.6-17.4 s; with the server up this is skipped
+    texts to embed: 14.3-15.8 s instead of 16.6-17.4 s; with the server up this is skipped
     (it only competed with the flow's start: +0.4 s)."""
     from flows.runtime import api_is_up
     from pipeline.assembly import resolve_job
