@@ -135,6 +135,7 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
 
     with writer_lease(spec.out, flow_run.flow_name or "embed", wait=spec.lease_wait) as lease:
         plan = prepare(spec, load_embedder, verify=verify)
+        planned = time.perf_counter()
         say(f"{len(plan.requests)} of {len(plan.shards)} shards to run, {plan.rows_todo:,} rows")
         logger = get_run_logger()
         logger.info(
@@ -145,7 +146,7 @@ def _run(job: dict, verify: bool, progress: bool) -> dict:
         )
         results = _run_shards(plan, progress) if plan.requests else []
         lease.check()
-        summary = finalize(plan, results, time.perf_counter() - started)
+        summary = finalize(plan, results, time.perf_counter() - planned, planned - started)
     logger.info(summary.line())
     _summary_artifact(summary)
     return summary.model_dump() | {"line": summary.line()}
@@ -160,7 +161,8 @@ def _summary_artifact(summary) -> None:
            "skipped": sum(summary.skipped.values()),
            **{f"skipped {k}": v for k, v in sorted(summary.skipped.items())},
            "shards run": f"{summary.shards_run}/{summary.shards}",
-           "seconds": round(summary.seconds, 2), "docs/s": round(summary.docs_per_s, 1)}
+           "seconds": round(summary.seconds, 2), "docs/s": round(summary.docs_per_s, 1),
+           "setup seconds": round(summary.setup_seconds, 2)}
     create_table_artifact(table=[row], key="embed-summary", description=summary.line())
 
 

@@ -55,7 +55,8 @@ class RunSummary(BaseModel):
     removed: int
     skipped: dict[str, int]
     generation: dict[str, int]
-    seconds: float = 0.0
+    seconds: float = 0.0  # running the shards
+    setup_seconds: float = 0.0  # before them: checks, planning, the model load if any
     stats: ShardStats = ShardStats()  # this run's shards added up
 
     @property
@@ -69,7 +70,8 @@ class RunSummary(BaseModel):
             f"{verb} {self.embedded:,} rows ({self.reused:,} reused, {self.removed:,} removed); "
             f"{self.rows:,} rows in {len(self.sets)} set(s) [{', '.join(self.sets)}]; "
             f"{self.shards_run}/{self.shards} shards run in {self.seconds:.1f}s, "
-            f"{self.docs_per_s:,.0f} docs/s; skipped {skipped:,} rows"
+            f"{self.docs_per_s:,.0f} docs/s, after {self.setup_seconds:.1f}s of checks, planning "
+            f"and model load; skipped {skipped:,} rows"
             + (f" ({why})" if why else "")
             + (f"; {self.stats.duplicates:,} duplicate texts encoded once"
                if self.stats.duplicates else "")
@@ -220,8 +222,10 @@ def _set_work(shard: Shard, markers: dict[str, ShardMarker], name: str) -> SetWo
     return SetWork(name=name, previous=sorted(previous), prior=markers.get(shard.id))
 
 
-def finalize(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSummary:
-    """Retire shards gone from the plan, write the changes file and ``_SET.json`` per set."""
+def finalize(plan: RunPlan, results: list[ShardResult], seconds: float,
+             setup_seconds: float = 0.0) -> RunSummary:
+    """Retire shards gone from the plan, write the changes file and ``_SET.json`` per set.
+    ``seconds``: the shards' wall time; ``setup_seconds``: the run's time before them."""
     job = plan.job
     total = ShardStats.total(r.stats for r in results)
     planned = {s.id for s in plan.shards}
@@ -263,6 +267,7 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSu
         skipped=skipped,
         generation=final_gen,
         seconds=seconds,
+        setup_seconds=setup_seconds,
         stats=total,
     )
 

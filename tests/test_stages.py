@@ -87,6 +87,8 @@ def test_identical_texts_share_one_forward_pass(tmp_path: Path, tiny_model_dir: 
     assert summary.stats.duplicates == n - 1 - 7
     assert summary.skipped == {"null_text": 1}
     assert "duplicate texts encoded once" in summary.line()
+    timed = summary.model_copy(update={"seconds": 2.0, "setup_seconds": 3.0}).line()
+    assert "shards run in 2.0s, 30 docs/s, after 3.0s of checks, planning and model load" in timed
     assert set(summary.stats.seconds) == {"read", "tokenize", "encode", "write"}
     vectors = read_set(tmp_path / "out", "mean")
     embedder = get_embedder(*_encoder_and_poolers(spec))
