@@ -18,6 +18,8 @@ import torch
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
 from pipeline.models.head import ModelParts
+from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
+from pipeline.models.similarity import Similarity
 from pipeline.precision import CALIBRATION_TEXTS, DtypeCheck, choose_device, choose_dtype
 from pipeline.quantize import INT8, OnnxInt8Model, check_int8, quantized_hash
 from pipeline.token_rows import TokenRows, pad_rows
@@ -34,6 +36,7 @@ class EncoderInfo:
     max_length: int
     hidden_size: int
     num_layers: int
+    similarity: Similarity = DEFAULT_SIMILARITY  # the model's similarity_fn_name
 
 
 @dataclass
@@ -173,6 +176,7 @@ class Encoder:
             max_length=self.max_length,
             hidden_size=self.hidden_size,
             num_layers=self.num_layers,
+            similarity=self.files.similarity,
         )
 
     def tokenize(self, texts: list[str], prompt: Prompt | None = None) -> list[list[int]]:

@@ -135,7 +135,7 @@ def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,
     top = ExactTopK(vectors, k, info.metric)
     ids, offset = [], 0
     parts = list_parts(SetFolder(out, info.name), info.dim)
-    for batch_ids, batch_vectors in iter_batches(parts, info.dim, BATCH_ROWS):
+    for batch_ids, batch_vectors in iter_batches(parts, info.dim, BATCH_ROWS, info.unit_search):
         top.add(np.arange(offset, offset + len(batch_vectors)), batch_vectors)
         ids.append(batch_ids)
         offset += len(batch_vectors)

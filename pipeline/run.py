@@ -117,6 +117,7 @@ def set_meta(embedder, job: EmbedJob, name: str, id_type: str, key: str | None =
         dim=embedder.dims()[name],
         dtype=info.dtype,
         normalize=spec.normalize,
+        similarity=info.similarity,
         max_length=info.max_length,
         window=window.model_dump(mode="json") if window else None,
         id_type=id_type,

@@ -22,6 +22,7 @@ from pipeline.config import EncoderConfig, PoolerSpec, parse
 from pipeline.data import TextBatch
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
+from pipeline.index.setdata import unit_rows
 from pipeline.sets import SetFolder, SetMeta
 from pipeline.snippets import SnippetStore
 
@@ -74,8 +75,10 @@ class QueryEncoder:
         self.lock = threading.Lock()  # one forward pass at a time per model
 
     def encode(self, queries: list[str]) -> np.ndarray:
+        """The queries' vectors as search compares them (unit length for ``unit_search``)."""
         with self.lock:
-            return self.embedder.encode_queries(queries, self.info.pooler.get("name"))
+            vectors = self.embedder.encode_queries(queries, self.info.pooler.get("name"))
+        return unit_rows(vectors) if self.info.unit_search else vectors
 
 
 class Searcher:

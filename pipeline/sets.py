@@ -28,7 +28,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
-from pipeline.errors import FingerprintError, StorageError
+from pipeline.errors import ConfigError, FingerprintError, StorageError
+from pipeline.models.similarity import Similarity
 from pipeline.names import file_name, set_name
 
 META_FILE = "_SET.json"
@@ -49,6 +50,8 @@ class SetMeta(BaseModel):
     dim: int
     dtype: str
     normalize: bool
+    # the model's similarity_fn_name; None: a set recorded before embedpipe kept it
+    similarity: Similarity | None = None
     max_length: int
     window: dict | None = None
     # the job options and files that made the vectors (pipeline.run.job_key): a later run with
@@ -65,8 +68,21 @@ class SetMeta(BaseModel):
 
     @property
     def metric(self) -> str:
-        """The FAISS metric of the vectors: inner product when normalised, else L2."""
-        return "ip" if self.normalize else "l2"
+        """The FAISS metric that ranks as the model compares vectors: cosine (over unit
+        vectors, see ``unit_search``) and dot by inner product, euclidean by L2. A set recorded
+        without its similarity: inner product when normalised, else L2 (as it was indexed)."""
+        if self.similarity is None:
+            return "ip" if self.normalize else "l2"
+        if self.similarity == "manhattan":
+            raise ConfigError(f"set {self.name!r}: its model compares vectors by manhattan "
+                              "distance, which search here does not offer (cosine, dot, euclidean)")
+        return "l2" if self.similarity == "euclidean" else "ip"
+
+    @property
+    def unit_search(self) -> bool:
+        """Search scales vectors and queries to unit length: cosine over vectors the model
+        does not normalise itself."""
+        return self.similarity == "cosine" and not self.normalize
 
 
 class ShardMarker(BaseModel):

@@ -42,6 +42,7 @@ class Variant:
     max_seq_length: int | None = None
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt: str | None = None
+    similarity: str | None = None  # similarity_fn_name (None: sentence-transformers' default)
 
 
 VARIANTS = [
@@ -81,6 +82,7 @@ def save_variant(base: Path, target: Path, v: Variant) -> Path:
     if v.normalize:
         modules.append(Normalize())
     model = SentenceTransformer(modules=modules, prompts=dict(v.prompts),
-                                default_prompt_name=v.default_prompt, device="cpu")
+                                default_prompt_name=v.default_prompt, device="cpu",
+                                similarity_fn_name=v.similarity)
     model.save(str(target))
     return target

@@ -155,15 +155,15 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     index = _new_index(plan, info.dim)
     rng = np.random.default_rng(req.seed)
     query_pos, train_pos = _sample_positions(rng, rows, req.queries, plan.train_rows)
-    _, queries = setdata.gather(parts, info.dim, query_pos)
+    _, queries = setdata.gather(parts, info.dim, query_pos, info.unit_search)
     if not index.is_trained:
-        _, train = setdata.gather(parts, info.dim, train_pos)
+        _, train = setdata.gather(parts, info.dim, train_pos, info.unit_search)
         say(f"index {info.name}: training on {len(train):,} rows")
         index.train(train)
         del train
     idmap = IdMap.empty(_id_type(parts))
     exact = ExactTopK(queries, 10, info.metric)
-    for ids, vectors in setdata.iter_batches(parts, info.dim, req.batch_rows):
+    for ids, vectors in setdata.iter_batches(parts, info.dim, req.batch_rows, info.unit_search):
         labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
         index.add_with_ids(vectors, labels)
         idmap.append(labels, ids)
@@ -253,7 +253,8 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
                              if drop else pa.array([], idmap.ids.type))
     removed = remove(index, dropped)
     added = 0
-    for ids, vectors in setdata.iter_batches(touched, info.dim, req.batch_rows):
+    for ids, vectors in setdata.iter_batches(touched, info.dim, req.batch_rows,
+                                             info.unit_search):
         labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
         index.add_with_ids(vectors, labels)
         idmap.append(labels, ids)
@@ -271,7 +272,7 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     handle = IndexHandle(index, idmap, current.params)
     rng = np.random.default_rng(req.seed + info.generation)
     query_pos, _ = _sample_positions(rng, expected, req.queries, 0)
-    _, queries = setdata.gather(parts, info.dim, query_pos)
+    _, queries = setdata.gather(parts, info.dim, query_pos, info.unit_search)
     truth = _exact_truth(parts, info, queries, idmap, req.batch_rows)
     params, recall, tried = tune(handle, queries, truth, req.recall_target)
     if recall < req.recall_target <= current.recall_at_10 and ivf_of(index) is not None:
@@ -289,7 +290,7 @@ def _exact_truth(parts: list[Part], info: SetMeta, queries: np.ndarray, idmap: I
     """Exact top-10 labels of ``queries`` over the set's current rows."""
     exact = ExactTopK(queries, 10, info.metric)
     lookup = pa.array(idmap.labels)
-    for ids, vectors in setdata.iter_batches(parts, info.dim, batch_rows):
+    for ids, vectors in setdata.iter_batches(parts, info.dim, batch_rows, info.unit_search):
         pos = pc.index_in(ids.cast(idmap.ids.type), value_set=idmap.ids)
         labels = pc.take(lookup, pos).to_numpy(zero_copy_only=False)
         exact.add(np.asarray(labels, np.int64), vectors)

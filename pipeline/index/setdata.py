@@ -50,27 +50,37 @@ def open_part(url: str, dim: int) -> Part:
     return Part(url=url, name=url.rsplit("/", 1)[-1], rows=meta.num_rows, groups=groups)
 
 
-def vectors_of(column: pa.Array | pa.ChunkedArray, dim: int, where: str) -> np.ndarray:
-    """A float32 (rows, dim) matrix from a fixed_size_list column."""
+def vectors_of(column: pa.Array | pa.ChunkedArray, dim: int, where: str,
+               unit: bool = False) -> np.ndarray:
+    """A float32 (rows, dim) matrix from a fixed_size_list column; ``unit``: rows scaled to
+    unit length (search by cosine, ``SetMeta.unit_search``)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if column.null_count:
         raise StorageError(f"{where} has {column.null_count} null embeddings")
     flat = column.flatten().to_numpy(zero_copy_only=False)
-    return np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32)
+    vectors = np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32)
+    return unit_rows(vectors) if unit else vectors
 
 
-def iter_batches(parts: list[Part], dim: int,
-                 batch_rows: int) -> Iterator[tuple[pa.Array, np.ndarray]]:
+def unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """``vectors`` with each row scaled to unit length (a zero row stays zero)."""
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors / np.maximum(norms, np.finfo(np.float32).tiny)
+
+
+def iter_batches(parts: list[Part], dim: int, batch_rows: int,
+                 unit: bool = False) -> Iterator[tuple[pa.Array, np.ndarray]]:
     """(ids, vectors) of every row of ``parts``, in part order, ``batch_rows`` at a time."""
     for part in parts:
         pf = storage.parquet_file(part.url)
         with storage.explained(part.url, "read"):
             for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", "embedding"]):
-                yield batch.column(0), vectors_of(batch.column(1), dim, part.url)
+                yield batch.column(0), vectors_of(batch.column(1), dim, part.url, unit)
 
 
-def gather(parts: list[Part], dim: int, positions: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+def gather(parts: list[Part], dim: int, positions: np.ndarray,
+           unit: bool = False) -> tuple[pa.Array, np.ndarray]:
     """The rows at sorted global ``positions`` (over parts in order), reading only their groups."""
     ids, vectors = [], []
     offset = 0
@@ -84,7 +94,8 @@ def gather(parts: list[Part], dim: int, positions: np.ndarray) -> tuple[pa.Array
                     table = pf.read_row_group(group, columns=["id", "embedding"])
                 take = pa.array(positions[lo:hi] - offset)
                 ids.append(table.column("id").take(take).combine_chunks())
-                vectors.append(vectors_of(table.column("embedding").take(take), dim, part.url))
+                vectors.append(vectors_of(table.column("embedding").take(take), dim, part.url,
+                                          unit))
             offset += rows
     if not ids:
         return pa.array([]), np.zeros((0, dim), np.float32)

@@ -2,7 +2,8 @@
 
 ``folder``: where a model lives; ``modules``: ``modules.json``; ``transformer``,
 ``pooling``, ``dense``, ``normalize``: each module's saved config (and weights);
-``prompts``: ``config_sentence_transformers.json``; ``hashing``: the cached model hash;
+``prompts`` and ``similarity``: ``config_sentence_transformers.json``; ``hashing``: the
+cached model hash;
 ``loader``: the one place a model (tokenizer, transformer, head) is loaded.
 Importing this package loads nothing.
 """

@@ -19,6 +19,8 @@ from pipeline.models.modules import ModuleEntry, read_modules
 from pipeline.models.normalize import Normalize, check_normalize_config
 from pipeline.models.pooling import PoolingConfig, read_pooling_config
 from pipeline.models.prompts import Prompts, read_prompts
+from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
+from pipeline.models.similarity import Similarity, read_similarity
 from pipeline.models.transformer import TransformerConfig, read_transformer_config
 
 PLAIN_MAX_LENGTH = 512  # a plain HF folder: at most this many tokens unless told otherwise
@@ -35,6 +37,7 @@ class ModelFiles:
     head: tuple[ModuleEntry, ...]
     prompts: Prompts
     module_dirs: tuple[Path, ...] = ()  # every module's folder (empty: a plain HF folder)
+    similarity: Similarity = DEFAULT_SIMILARITY  # how the model compares vectors (search follows)
 
     @property
     def sentence_transformers(self) -> bool:
@@ -59,7 +62,7 @@ def read_model_files(model: str | None) -> ModelFiles:
             check_normalize_config(entry.path)
     return ModelFiles(folder, transformer_dir, read_transformer_config(transformer_dir),
                       read_pooling_config(entries[1].path), entries[2:], read_prompts(folder),
-                      tuple(e.path for e in entries))
+                      tuple(e.path for e in entries), read_similarity(folder))
 
 
 def refuse_remote_code(files: ModelFiles, trust_remote_code: bool) -> None:
