@@ -4,7 +4,7 @@ The CLI, the Python API (``embedpipe.embed`` / ``backfill``) and the Prefect dep
 build jobs here, so a flag, a keyword argument and a deployment parameter mean the same.
 
 Options are flat, named like the CLI flags (``model``, ``device``, ``dtype``, ``max_length``,
-``window``, ``stride``, ``window_agg``, ``id_column``, ``text_column``, ``runner``,
+``compile``, ``window``, ``stride``, ``window_agg``, ``id_column``, ``text_column``, ``runner``,
 ``dask_address``, ``workers``, ``rows_per_shard``, ``quarantine``, ``dedupe``); ``None`` means
 "not chosen", so the config file, then the installation's ``EMBEDPIPE_*`` settings apply.
 
@@ -33,7 +33,7 @@ from typing import Any
 from pipeline.config import EmbedJob, load_toml, parse
 from pipeline.errors import ConfigError
 
-ENCODER_OPTIONS = ("model", "device", "dtype", "max_length")
+ENCODER_OPTIONS = ("model", "device", "dtype", "max_length", "compile")
 WINDOW_OPTIONS = {"window": "size", "stride": "stride", "window_agg": "agg"}
 JOB_OPTIONS = ("id_column", "text_column", "runner", "dask_address", "workers",
                "rows_per_shard", "quarantine", "dedupe", "lease_wait")

@@ -101,11 +101,21 @@ class EncoderConfig(_Strict):
     token_budget: int | None = Field(default=None, gt=0)
     max_batch_rows: int | None = Field(default=None, gt=0)
     trust_remote_code: bool = False
+    # the transformer through torch.compile (pipeline.compiled): a compile on the first batch,
+    # then faster batches; the same vectors within float rounding (not part of a set's key)
+    compile: bool = False
     # prompts of a sentence-transformers model (config_sentence_transformers.json), by name:
     # None = the model's default_prompt_name for documents and its "query" prompt for
     # queries; "" = no prompt
     prompt_name: str | None = None
     query_prompt_name: str | None = None
+
+    @model_validator(mode="after")
+    def _compiled_in_torch(self) -> EncoderConfig:
+        if self.compile and self.dtype == "int8":
+            raise ValueError("compile runs the torch model; dtype int8 runs ONNX Runtime: "
+                             "choose one")
+        return self
 
 
 class EmbedJob(_Strict):

@@ -105,6 +105,7 @@ class Encoder:
         self.token_budget = cfg.token_budget or budget  # padded tokens per forward batch
         self.max_batch_rows = cfg.max_batch_rows or rows
         self.model.to(self.device)
+        self.fp32_kernel = self._fp32_kernel()
         head = loader.load_head(self.files).to(self.device)
         self.parts = ModelParts(str(self.folder), self.files.pooling, head,
                                 self.files.sentence_transformers)
@@ -118,15 +119,33 @@ class Encoder:
         prompts = self.files.prompts
         self.document_prompt = self._prompt(prompts.document(cfg.prompt_name))
         self.query_prompt = self._prompt(prompts.query(cfg.query_prompt_name))
-        self.dtype = "fp32"
+        self.dtype, self.compiled = "fp32", False  # the dtype check runs the eager model
         files_hash = self.files.model_hash()  # walks and stats the model's files: once
-        model_key = f"{files_hash}-{self.model.config._attn_implementation}"
+        model_key = f"{files_hash}-{self.model.config._attn_implementation}-{self.fp32_kernel}"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)
         self.model_hash = quantized_hash(files_hash, self.dtype)
         if self.dtype == INT8:
             self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types)
         elif self.dtype in HALF:
             cast_linear_weights(self.model, HALF[self.dtype])
+        self.compiled = cfg.compile
+        if self.compiled:
+            from pipeline.compiled import compile_model
+
+            self.model = compile_model(self.model)
+
+    def _fp32_kernel(self) -> str:
+        """``onednn`` where this CPU runs fp32 products faster through oneDNN (then the Linear
+        layers call it, see ``pipeline.onednn``), else ``default``. Not for int8 (its ONNX export
+        traces the torch model) nor compile (Inductor picks its own kernels)."""
+        from pipeline.hardware import cpu_fp32_onednn_is_faster
+        from pipeline.onednn import use_onednn_linear
+
+        if (self.device.type != "cpu" or self.cfg.dtype == INT8 or self.cfg.compile
+                or not cpu_fp32_onednn_is_faster()):
+            return "default"
+        use_onednn_linear(self.model)
+        return "onednn"
 
     def _max_length(self, model_limit) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512
@@ -236,6 +255,11 @@ class Encoder:
         prompt_length: int = 0,
     ) -> TokenStates:
         """Run the model once; return the requested layers in float32."""
+        rows = ids.shape[0]
+        if self.compiled:  # as the graph's guards expect (else a recompile): inference
+            # tensors made here, and two rows or more (it would specialise on one)
+            ids, mask = (ids.repeat(2, 1), mask.repeat(2, 1)) if rows == 1 else (ids.clone(),
+                                                                                mask.clone())
         if self.device.type == "cuda":  # page-locked host memory: the copy really is async
             ids, mask = ids.pin_memory(), mask.pin_memory()
         ids = ids.to(self.device, non_blocking=True)
@@ -247,13 +271,13 @@ class Encoder:
         with _autocast(self.device, self.dtype):
             out = self.model(**inputs, output_hidden_states=need_all, output_attentions=attention)
         if need_all:
-            hidden = {i: out.hidden_states[i].float() for i in layers}
+            hidden = {i: out.hidden_states[i][:rows].float() for i in layers}
         else:
-            hidden = {self.num_layers: out.last_hidden_state.float()}
+            hidden = {self.num_layers: out.last_hidden_state[:rows].float()}
         first = None
         if attention:
-            first = out.attentions[-1][:, :, 0, :].float().mean(dim=1)
-        return TokenStates(hidden, mask, first, self.num_layers, prompt_length)
+            first = out.attentions[-1][:rows, :, 0, :].float().mean(dim=1)
+        return TokenStates(hidden, mask[:rows], first, self.num_layers, prompt_length)
 
     def _check_dtype(self, dtype: str) -> DtypeCheck:
         """``dtype`` against fp32 on this model: the lowest cosine between mean-pooled

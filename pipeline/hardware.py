@@ -36,22 +36,29 @@ _PROBE = r"""
 import json, time, torch
 torch.manual_seed(0)
 a, b = torch.randn(512, 384), torch.randn(384, 1536)
-def rate(dtype, budget=0.4):
+def rate(dtype, budget=0.4, product=torch.matmul):
     # best of rounds of 5 multiplies within ~budget seconds (~30 rounds of fp32 at 220 GFLOP/s):
     # an emulated dtype (bf16 without hardware support: ~1 GFLOP/s) costs one round, not a minute
     x, y = a.to(dtype), b.to(dtype)
-    x @ y
+    product(x, y)
     best, end = float("inf"), time.perf_counter() + budget
     while True:
         t = time.perf_counter()
         for _ in range(5):
-            x @ y
+            product(x, y)
         best = min(best, time.perf_counter() - t)
         if time.perf_counter() > end:
             return 5 * 2 * 512 * 384 * 1536 / best / 1e9
 fp32 = rate(torch.float32)
 bf16 = rate(torch.bfloat16)
-print(json.dumps({"fp32_gflops": fp32, "bf16_gflops": bf16}))
+try:  # fp32 through oneDNN's inner product (pipeline.onednn), where torch has it
+    w = b.t().contiguous()
+    def linear(x, y):
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    onednn = rate(torch.float32, product=linear)
+except (RuntimeError, AttributeError):
+    onednn = None
+print(json.dumps({"fp32_gflops": fp32, "bf16_gflops": bf16, "fp32_onednn_gflops": onednn}))
 """
 
 
@@ -70,7 +77,7 @@ def cpu_key() -> str:
 
 
 def _cache_file() -> Path:
-    return cache_root() / f"cpu-probe-{cpu_key()}.json"
+    return cache_root() / f"cpu-probe-v2-{cpu_key()}.json"  # v2: fp32 through oneDNN too
 
 
 def _run_probe(env: dict[str, str]) -> dict | None:
@@ -94,13 +101,15 @@ def _measure() -> dict:
     capped = _run_probe(env)
     traps = not os.environ.get("ONEDNN_MAX_CPU_ISA")
     if capped is None:
-        return {"fp32_gflops": None, "bf16_gflops": None, "bf16_ok": False, "amx_traps": traps}
+        return {"fp32_gflops": None, "bf16_gflops": None, "fp32_onednn_gflops": None,
+                "bf16_ok": False, "amx_traps": traps}
     return {**capped, "bf16_ok": True, "amx_traps": traps}
 
 
 @lru_cache(maxsize=1)
 def cpu_profile() -> dict:
-    """{'fp32_gflops', 'bf16_gflops', 'bf16_ok', 'amx_traps'} for this machine (cached)."""
+    """{'fp32_gflops', 'bf16_gflops', 'fp32_onednn_gflops', 'bf16_ok', 'amx_traps'} for this
+    machine (cached)."""
     cache = _cache_file()
     if cache.exists():
         try:
@@ -133,8 +142,20 @@ def _advertises_amx() -> bool:
 
 
 def cpu_bf16_is_faster() -> bool:
-    """True when bf16 matrix work runs correctly here and faster than fp32 (by 20% or more)."""
+    """True when bf16 matrix work runs correctly here and faster than fp32, through its faster
+    kernel (by 20% or more)."""
     profile = cpu_profile()
     if not profile["bf16_ok"] or not profile["fp32_gflops"]:
         return False
-    return profile["bf16_gflops"] > 1.2 * profile["fp32_gflops"]
+    fp32 = max(profile["fp32_gflops"], profile.get("fp32_onednn_gflops") or 0.0)
+    return profile["bf16_gflops"] > 1.2 * fp32
+
+
+def cpu_fp32_onednn_is_faster() -> bool:
+    """True when fp32 products run faster through oneDNN than torch's default (MKL) here, by
+    ``pipeline.onednn.MIN_GAIN`` or more."""
+    from pipeline.onednn import MIN_GAIN
+
+    profile = cpu_profile()
+    onednn, default = profile.get("fp32_onednn_gflops"), profile.get("fp32_gflops")
+    return bool(onednn and default and onednn >= MIN_GAIN * default)

@@ -88,7 +88,7 @@ def job_keys(job: EmbedJob) -> dict[str, str]:
     from pipeline.models.hashing import folder_hash
 
     files = folder_hash(job.encoder.model)
-    encoder = job.encoder.model_dump(mode="json")
+    encoder = job.encoder.model_dump(mode="json", exclude={"compile"})  # same vectors either way
     return {
         spec.name: stable_hash({
             "encoder": encoder,

@@ -133,11 +133,13 @@ def _lower_case(tokenizer) -> None:
 def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool):
     """The transformer in eval mode; eager attention only where asked (a pooler reads the
     attention weights, or the int8 path exports the graph), SDPA otherwise."""
-    from transformers import AutoConfig, AutoModel
-
+    from pipeline.compiled import place_kernel_cache
     from pipeline.hardware import prepare_cpu_kernels
 
     prepare_cpu_kernels()  # before torch's first CPU kernel (see pipeline.hardware)
+    place_kernel_cache()  # before transformers' import reads TorchInductor's cache dir
+    from transformers import AutoConfig, AutoModel
+
     hub = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     config = AutoConfig.from_pretrained(str(files.transformer_dir), **files.transformer.config_args,
                                         **hub)

@@ -1,0 +1,70 @@
+"""fp32 Linear layers through oneDNN where the CPU probe measured it faster (pipeline.onednn)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import hardware
+from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.embedder import Embedder
+from pipeline.onednn import MIN_GAIN, OneDnnLinear, use_onednn_linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="this torch has no oneDNN")
+TEXTS = ["a tiny text", "another one, a little longer than the first", "x " * 60]
+
+
+def test_the_probe_times_fp32_through_onednn_too() -> None:
+    profile = hardware.cpu_profile()
+    assert profile["fp32_onednn_gflops"] > 0 and profile["fp32_gflops"] > 0
+
+
+def test_onednn_is_used_only_where_the_probe_measured_it_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def profile(onednn: float | None):
+        monkeypatch.setattr(hardware, "cpu_profile",
+                            lambda: {"fp32_gflops": 200.0, "fp32_onednn_gflops": onednn})
+    profile(200.0 * MIN_GAIN)
+    assert hardware.cpu_fp32_onednn_is_faster()
+    profile(200.0 * MIN_GAIN * 0.99)  # about as fast: keep torch's default, bit for bit
+    assert not hardware.cpu_fp32_onednn_is_faster()
+    profile(None)  # a torch without oneDNN, or a probe that could not time it
+    assert not hardware.cpu_fp32_onednn_is_faster()
+
+
+def test_a_onednn_linear_is_the_linear_in_fp32_and_exactly_it_otherwise() -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    fast = copy.deepcopy(plain)
+    reference = {k: v.clone() for k, v in plain.state_dict().items()}
+    x = torch.randn(3, 5, 32)
+    with torch.inference_mode():
+        want = plain(x)
+        assert use_onednn_linear(fast) == 2
+        assert all(type(m) is OneDnnLinear for m in (fast[0], fast[2]))
+        torch.testing.assert_close(fast(x), want, atol=1e-5, rtol=1e-5)
+        assert fast(torch.randn(0, 32)).shape == (0, 8)  # empty batch: torch's own kernel
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 path is torch's own
+            assert torch.equal(fast(x), plain(x))
+    assert all(type(m) is torch.nn.Linear for m in (plain[0], plain[2]))  # a copy was turned
+    assert fast.state_dict().keys() == reference.keys()
+    assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.items())
+
+
+def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def embedder(faster: bool, **encoder) -> Embedder:
+        monkeypatch.setattr(hardware, "cpu_fp32_onednn_is_faster", lambda: faster)
+        cfg = EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu", **encoder)
+        return Embedder(cfg, [PoolerSpec(name="mean")])
+
+    default, fast = embedder(False), embedder(True)
+    assert (default.encoder.fp32_kernel, fast.encoder.fp32_kernel) == ("default", "onednn")
+    assert not any(isinstance(m, OneDnnLinear) for m in default.encoder.model.modules())
+    np.testing.assert_allclose(fast.encode(TEXTS), default.encode(TEXTS), atol=1e-6)
+    assert fast.fingerprint("mean") == default.fingerprint("mean")  # the same set
