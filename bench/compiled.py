@@ -50,7 +50,8 @@ def docs_per_s(embedder, texts: list[str], rounds: int) -> tuple[float, np.ndarr
 def measure(dtype: str, texts: list[str], rounds: int) -> dict:
     import torch
 
-    from bench.encode_bench import encoder_flops, matmul_peak, real_lengths
+    from bench.encode_bench import encoder_flops, real_lengths
+    from bench.peak import matmul_peak
     from pipeline.config import EncoderConfig, PoolerSpec
     from pipeline.embedder import Embedder
 

@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
+from bench.peak import matmul_peak  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import MIN_FILL, Embedder, get_embedder  # noqa: E402
@@ -122,20 +123,6 @@ def timed(fn: Callable[[], object]) -> tuple[object, float]:
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
-
-
-def matmul_peak(dtype: torch.dtype, hidden: int, inter: int) -> float:
-    """Best GFLOP/s of a [4096, hidden] x [hidden, inter] product, the FFN's shape."""
-    a = torch.randn(4096, hidden).to(dtype)
-    b = torch.randn(hidden, inter).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        best = min(best, time.perf_counter() - start)
-    return 10 * 2 * 4096 * hidden * inter / best / 1e9
 
 
 def encoder_flops(lengths: np.ndarray, config) -> float:

@@ -39,19 +39,13 @@ def cpu_flags() -> str:
     return " ".join(sorted(found)) or "none of avx2/avx512f/avx512_bf16/amx_bf16"
 
 
-def matmul_gflops(seconds: float = 3.0) -> float:
-    """fp32 GFLOP/s of a 1024^3 matmul on all of torch's threads (best of a few)."""
+def matmul_gflops() -> float:
+    """fp32 GFLOP/s of this machine's best matmul kernel (bench/peak.py)."""
     import torch
 
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best = 0.0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        best = max(best, 4 * 2 * 1024**3 / (time.perf_counter() - t) / 1e9)
-    return best
+    from bench.peak import matmul_peak
+
+    return matmul_peak(torch.float32)
 
 
 def tiny_model(folder: Path) -> Path:
