@@ -11,6 +11,11 @@ generation (index, id map, snippets) is freed once the last request holding it f
 
 A failed reload leaves the old generation serving: it is logged, counted, kept in
 ``status()`` and retried when something new is published (or after ``retry_s``).
+
+Given ``discover`` (the names to serve now: the server's "every indexed set under OUT") and
+``load``, the poller also adds sets indexed after the server started: loaded and warmed in the
+background like a reload, then added in one assignment. A set that fails to load is logged and
+tried again after ``retry_s``; the served ones are untouched.
 """
 
 from __future__ import annotations
@@ -69,11 +74,15 @@ class LiveSets:
     def __init__(self, searchers: dict[str, Searcher], interval_s: float,
                  on_swap: Callable[[Searcher], None] = lambda _: None,
                  on_failure: Callable[[str], None] = lambda _: None,
-                 retry_s: float = RETRY_S) -> None:
+                 retry_s: float = RETRY_S,
+                 discover: Callable[[], list[str]] | None = None,
+                 load: Callable[[str], Searcher] | None = None) -> None:
         self._current = dict(searchers)
         self.state = {name: ReloadState() for name in searchers}
         self.interval_s, self.retry_s = interval_s, retry_s
         self._on_swap, self._on_failure = on_swap, on_failure
+        self._discover, self._load = discover, load
+        self._not_loaded: dict[str, float] = {}  # new set -> when its load last failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -86,9 +95,36 @@ class LiveSets:
         return self._current[name]
 
     def poll(self) -> None:
-        """Check every set once; load and swap in what changed."""
+        """Check every set once; load and swap in what changed; add newly indexed sets."""
         for name in self.names:
             self._refresh(name)
+        if self._discover is not None and self._load is not None:
+            self._add_new(self._discover, self._load)
+
+    def _add_new(self, discover: Callable[[], list[str]],
+                 load: Callable[[str], Searcher]) -> None:
+        try:
+            names = [n for n in discover() if n not in self._current]
+        except Exception as exc:  # OUT unreadable for a moment: the served sets serve on
+            log.error("listing new sets failed: %s: %s", type(exc).__name__, exc)
+            return
+        for name in names:
+            if time.monotonic() - self._not_loaded.get(name, -self.retry_s) < self.retry_s:
+                continue
+            try:
+                searcher = _warmed(load(name))
+            except Exception as exc:  # logged and retried later; the others serve on
+                self._not_loaded[name] = time.monotonic()
+                log.error("new set %r: not served, load failed: %s: %s", name,
+                          type(exc).__name__, exc)
+                self._on_failure(name)
+                continue
+            self._not_loaded.pop(name, None)
+            self.state[name] = ReloadState()  # before the name is visible to requests
+            self._current = {**self._current, name: searcher}  # one reference assignment
+            log.info("set %r: now serving, newly indexed (index %s, %d rows)", name,
+                     searcher.meta.token, searcher.meta.rows)
+            self._on_swap(searcher)
 
     def _refresh(self, name: str) -> None:
         old, state = self._current[name], self.state[name]
@@ -103,7 +139,7 @@ class LiveSets:
         except Exception as exc:  # any failure: logged, counted, exposed; the old one serves on
             self._failed(name, published, exc)
             return
-        self._current[name] = new  # the swap: one reference assignment
+        self._current = {**self._current, name: new}  # the swap: one reference assignment
         state.swaps += 1
         state.failed, state.last_error = None, None
         log.info("set %r: now serving index %s (generation %d, %d rows)", name,

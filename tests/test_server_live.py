@@ -128,6 +128,43 @@ def test_the_poller_thread_swaps_within_its_interval_and_stops(first_generation)
     assert not any(t.name == "embedpipe-reload" for t in threading.enumerate())
 
 
+def test_a_set_indexed_after_the_start_is_served_without_a_restart(first_generation,
+                                                                    tiny_model_dir):
+    from fastapi.testclient import TestClient
+
+    from pipeline.server import ServerConfig, create_app
+
+    out = first_generation
+    app = create_app(ServerConfig(out=str(out), default_set="mean"))
+    live, http = app.state.live, TestClient(app)  # no lifespan: the test polls by hand
+    embedded_set(out.parent, tiny_model_dir, name="cls", texts=TEXTS[:FIRST], strategy="cls")
+    live.poll()
+    assert live.names == ["mean"]  # embedded, not indexed yet: nothing to serve
+    index_set(IndexRequest(out=str(out), set_name="cls"), say=lambda _: None)
+    live.poll()
+    assert sorted(http.get("/health").json()["sets"]) == ["cls", "mean"]
+    found = http.post("/search", json={"query": TEXTS[3], "k": 1, "set": "cls"})
+    assert found.status_code == 200 and found.json()["results"][0][0]["id"] == 103
+    assert live.get("mean").set.name == "mean"  # the served set untouched
+
+
+def test_a_new_set_that_fails_to_load_is_retried_later_and_the_others_serve_on(
+        first_generation):
+    out = first_generation
+    tried = []
+
+    def load(name: str) -> Searcher:
+        tried.append(name)
+        raise OSError("model folder gone")
+
+    live = LiveSets({"mean": Searcher(str(out), "mean")}, interval_s=0, retry_s=3600,
+                    discover=lambda: ["mean", "broken"], load=load)
+    live.poll()
+    live.poll()  # within retry_s: not tried again
+    assert tried == ["broken"] and live.names == ["mean"]
+    assert live.get("mean").search([TEXTS[3]], k=1)[0][0].id == 103
+
+
 def _cli(*commands: list[str]) -> str:
     """``embedpipe`` commands run one after another in ONE Python subprocess; returns the
     script for ``python -c``."""

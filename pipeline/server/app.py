@@ -50,21 +50,27 @@ def create_app(config: ServerConfig) -> FastAPI:
     from pipeline.index import list_sets, read_meta
 
     faiss.omp_set_num_threads(config.faiss_threads)  # parallelism comes from requests
-    names = list(config.sets) or [s for s in list_sets(config.out)
-                                  if read_meta(config.out, s) is not None]
+    def indexed() -> list[str]:
+        return [s for s in list_sets(config.out) if read_meta(config.out, s) is not None]
+
+    def load(name: str) -> Searcher:
+        return Searcher(config.out, name, device=config.device,
+                        trust_remote_code=config.trust_remote_code)
+
+    names = list(config.sets) or indexed()
     if not names:
         raise EmbedpipeError(f"no indexed sets under {config.out}; run `embedpipe index "
                              f"{config.out}` first")
     default = choose_default(names, config.default_set)
     metrics = ServerMetrics()
-    searchers = {n: Searcher(config.out, n, device=config.device,
-                             trust_remote_code=config.trust_remote_code) for n in names}
+    searchers = {n: load(n) for n in names}
     for searcher in searchers.values():  # served, without snippets for that set
         if searcher.snippet_note:
             log.warning("%s", searcher.snippet_note)
     live = LiveSets(searchers,
                     config.reload_interval_s, on_swap=lambda s: _served(metrics, s),
-                    on_failure=lambda n: metrics.reload_failures.labels(n).inc())
+                    on_failure=lambda n: metrics.reload_failures.labels(n).inc(),
+                    discover=None if config.sets else indexed, load=load)  # named: those only
     for name in names:
         _served(metrics, live.get(name))
         metrics.reloads.labels(name)
