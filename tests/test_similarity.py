@@ -104,3 +104,22 @@ def test_a_set_recorded_before_similarity_keeps_its_metric() -> None:
     assert SetMeta(**fields, normalize=False, similarity="cosine").metric == "ip"
     assert SetMeta(**fields, normalize=False, similarity="cosine").unit_search
     assert not SetMeta(**fields, normalize=True, similarity="cosine").unit_search
+
+
+def test_exact_evaluation_ranks_as_the_cosine_index(base: Path, tmp_path: Path) -> None:
+    """Evaluation's exact search (queries and vectors scaled as the index scales them) and the
+    flat index give every relevant document the same rank."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.evaluate import evaluate_sets
+
+    model, out = embedded_and_indexed(base, tmp_path, None)
+    top, _ = st_ranking(model, out)
+    queries = tmp_path / "queries.parquet"  # relevant: sentence-transformers' top 3
+    pq.write_table(pa.table({"query": [q for q in QUERIES for _ in range(3)],
+                             "doc_id": [int(d) for row in top for d in row[:3]]}), queries)
+    exact, index = (evaluate_sets(str(out), str(queries), ["model"], k=5, exact=e)[0]
+                    for e in (True, False))
+    assert (exact.search, index.search) == ("exact", "index")
+    assert exact.scores == index.scores and exact.scores["recall@5"] == 1.0
