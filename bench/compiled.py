@@ -1,9 +1,10 @@
 """`--compile` (torch.compile, pipeline/compiled.py) against the eager model, measured in one run.
 
-    python bench/compiled.py --docs 3000
+    python bench/compiled.py --docs 3000 --long 300
 
 For fp32 and for what ``--dtype auto`` picks here (bf16 where it wins), embeds the same PyPI
-summaries with the packaged MiniLM eagerly and compiled, and prints per dtype: docs/s of each
+summaries (and ``--long`` texts of 20 summaries each, which MiniLM truncates at 256 tokens)
+with the packaged MiniLM eagerly and compiled, and prints per text set and dtype: docs/s of each
 (best of ``--rounds``, after a warm-up), the compile's cost (seconds of the first batch, and
 whether TorchInductor's kernel cache under EMBEDPIPE_CACHE already held this model's kernels:
 ``--cold-cache`` compiles into an empty folder), the share of that dtype's measured matmul
@@ -89,6 +90,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=3000)
+    parser.add_argument("--long", type=int, default=0, help="long texts (0: none)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cold-cache", action="store_true",
                         help="compile into an empty kernel cache (a first run on a machine)")
@@ -100,14 +102,18 @@ def main() -> int:
     kernels = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_root() / "inductor"))
     report: dict = {"cpu_flags": cpu_flags(), "docs": args.docs,
                     "kernel_cache_had_files": kernels.is_dir() and any(kernels.iterdir())}
-    frame = pl.read_parquet(DATA).sample(args.docs, seed=0)
-    texts = frame["text"].to_list()
-    rows = {dtype: measure(dtype, texts, args.rounds) for dtype in ("fp32", "auto")}
-    reference = rows["fp32"]["vectors"]["eager"]
-    for row in rows.values():
-        vectors = row.pop("vectors")
-        row["min_cos_to_fp32"] = {t: min_cosine(v, reference) for t, v in vectors.items()}
-    report["runs"] = rows
+    pool = pl.read_parquet(DATA).sample(args.docs + 20 * args.long, seed=0)["text"].to_list()
+    sets = {"short": pool[:args.docs]}
+    if args.long:
+        rest = pool[args.docs:]
+        sets["long"] = [" ".join(rest[i * 20:(i + 1) * 20]) for i in range(args.long)]
+    for name, texts in sets.items():
+        rows = {dtype: measure(dtype, texts, args.rounds) for dtype in ("fp32", "auto")}
+        reference = rows["fp32"]["vectors"]["eager"]
+        for row in rows.values():
+            vectors = row.pop("vectors")
+            row["min_cos_to_fp32"] = {t: min_cosine(v, reference) for t, v in vectors.items()}
+        report[name] = rows
     print(json.dumps(report, indent=1))
     return 0
 

@@ -48,7 +48,7 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("--dtype", choices=get_args(DType))
     p.add_argument("--compile", action="store_true", default=None,
                    help="run the model through torch.compile: a compile on the first batch "
-                   "(MiniLM on 2 cores: 7-25 s), then 1.06-1.11x faster batches (long runs)")
+                   "(MiniLM on 2 cores: 7-25 s), then 1.06-1.22x faster batches (long runs)")
     p.add_argument("--runner", choices=get_args(Runner))
     p.add_argument("--dask-address", help="scheduler address (default: a local Dask cluster)")
     p.add_argument("--workers", type=int, help="parallel shards (default 1)")
