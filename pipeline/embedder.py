@@ -212,7 +212,7 @@ def _needs_attention(spec: PoolerSpec) -> bool:
     return bool(cls and cls.needs_attention)
 
 
-_CACHE: dict[str, Embedder] = {}
+_CACHE: dict[str, tuple[str, Embedder]] = {}  # config -> (model files' hash, embedder)
 _LOCK = threading.Lock()
 
 
@@ -233,13 +233,19 @@ def preload(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> threading.
 
 
 def get_embedder(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> Embedder:
-    """The process-wide Embedder for this config: the model is loaded once per worker."""
+    """The process-wide Embedder for this config: the model is loaded once per worker, and
+    again (replacing the old one) when the model's files changed since (a long-lived worker
+    across nightly runs; the files' hash is stat-cached, see ``pipeline.models.hashing``)."""
+    from pipeline.models.hashing import folder_hash
+
     key = json.dumps(
         [encoder.model_dump(mode="json"), [p.model_dump(mode="json") for p in poolers]],
         sort_keys=True,
     )
+    files = folder_hash(encoder.model)
     with _LOCK:
-        if key not in _CACHE:
+        cached = _CACHE.get(key)
+        if cached is None or cached[0] != files:
             torch.set_grad_enabled(False)
-            _CACHE[key] = Embedder(encoder, poolers)
-        return _CACHE[key]
+            _CACHE[key] = (files, Embedder(encoder, poolers))
+        return _CACHE[key][1]

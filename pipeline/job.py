@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from pipeline import faults, storage
 from pipeline.config import EmbedJob
 from pipeline.corpus import Chunk, read_shard
+from pipeline.errors import FingerprintError
 from pipeline.sets import SetFolder, ShardMarker, quarantine_url
 from pipeline.shards import Shard
 from pipeline.stages import prefetch
@@ -42,6 +43,7 @@ class SetWork(BaseModel):
     name: str
     previous: list[str] = []
     prior: ShardMarker | None = None
+    fingerprint: str | None = None  # the set's, as claimed: the worker's model must make it
 
 
 class ShardRequest(BaseModel):
@@ -239,6 +241,7 @@ class _Model:
 
     def __init__(self, request: ShardRequest) -> None:
         self.job = request.job
+        self.sets = request.sets
         self._embedder = None
         self._lock = threading.Lock()
 
@@ -249,8 +252,22 @@ class _Model:
                 from pipeline.embedder import get_embedder  # torch only where work happens
 
                 limit_threads(self.job.workers)
-                self._embedder = get_embedder(self.job.encoder, self.job.poolers)
+                embedder = get_embedder(self.job.encoder, self.job.poolers)
+                _check_fingerprints(embedder, self.sets)
+                self._embedder = embedder
             return self._embedder
+
+
+def _check_fingerprints(embedder, sets: list[SetWork]) -> None:
+    """This worker's model makes the vectors each set was claimed for (a long-lived worker
+    whose model files changed under it would otherwise write another model's vectors)."""
+    for work in sets:
+        made = embedder.fingerprint(work.name)
+        if work.fingerprint is not None and made != work.fingerprint:
+            raise FingerprintError(
+                f"set {work.name!r}: this worker's model makes fingerprint {made}, the run "
+                f"planned {work.fingerprint} (model files changed during the run?); rerun"
+            )
 
 
 def _id_type(request: ShardRequest) -> pa.DataType:

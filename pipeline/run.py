@@ -152,7 +152,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
         drop = _drops(duplicates, shard)
         signature = stable_hash([shard.signature, drop]) if drop else shard.signature
         work = [
-            _set_work(shard, markers[name], name)
+            _set_work(shard, markers[name], metas[name])
             for name in metas
             if verify or not _done(markers[name].get(shard.id), signature)
         ]
@@ -214,13 +214,14 @@ def _done(marker: ShardMarker | None, signature: str) -> bool:
     return marker is not None and marker.signature == signature
 
 
-def _set_work(shard: Shard, markers: dict[str, ShardMarker], name: str) -> SetWork:
+def _set_work(shard: Shard, markers: dict[str, ShardMarker], meta: SetMeta) -> SetWork:
     previous = [
         m.shard
         for m in markers.values()
         if shard.overlaps(m.file, m.first_group, m.end_group)
     ]
-    return SetWork(name=name, previous=sorted(previous), prior=markers.get(shard.id))
+    return SetWork(name=meta.name, previous=sorted(previous), prior=markers.get(shard.id),
+                   fingerprint=meta.fingerprint)
 
 
 def finalize(plan: RunPlan, results: list[ShardResult], seconds: float,

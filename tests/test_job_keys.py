@@ -91,9 +91,8 @@ def test_changed_model_files_are_never_taken_for_the_same_job(
     run_library(params)
     build_tiny_bert(tmp_path / "other", seed=1)
     shutil.copy(tmp_path / "other" / "model.safetensors", model / "model.safetensors")
-    pipeline.embedder._CACHE.clear()
 
-    def load():
+    def load():  # the cached embedder's files changed: get_embedder loads the new ones
         spec = parse(EmbedJob, params, "job")
         return get_embedder(spec.encoder, spec.poolers)
 
@@ -119,7 +118,7 @@ def test_a_preloaded_model_is_the_one_a_run_gets(tiny_model_dir: Path) -> None:
     spec = parse(EmbedJob, {"corpus": "c", "out": "o", "encoder": {
         "model": str(tiny_model_dir), "device": "cpu", "max_length": 48}}, "job")
     preload(spec.encoder, spec.poolers).join()
-    loaded = [e for e in pipeline.embedder._CACHE.values()
+    loaded = [e for _, e in pipeline.embedder._CACHE.values()
               if e.cfg == spec.encoder and e.info.max_length == 48]
     assert len(loaded) == 1
     assert get_embedder(spec.encoder, spec.poolers) is loaded[0]
@@ -131,3 +130,22 @@ def test_a_failed_preload_leaves_the_error_to_the_run(tmp_path: Path) -> None:
     preload(spec.encoder, spec.poolers).join()  # nothing raised in the thread, nothing cached
     with pytest.raises(EmbedpipeError, match="no-such-model"):
         get_embedder(spec.encoder, spec.poolers)
+
+
+def test_a_worker_whose_model_changed_after_planning_writes_nothing(
+        tmp_path: Path, corpus: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    """A long-lived worker must not write another model's vectors under the planned set."""
+    from conftest import build_tiny_bert
+
+    monkeypatch.setattr(pipeline.embedder, "_CACHE", {})
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    params = job(corpus, tmp_path / "out", model)
+    spec = parse(EmbedJob, params, "job")
+    _, plan = _plan(params, lambda: get_embedder(spec.encoder, spec.poolers))
+    build_tiny_bert(tmp_path / "other", seed=1)  # the files change between planning and shards
+    shutil.copy(tmp_path / "other" / "model.safetensors", model / "model.safetensors")
+    with pytest.raises(FingerprintError, match="set 'mean': this worker's model makes"):
+        embed_shard(plan.requests[0])
+    assert SetFolder(str(tmp_path / "out"), "mean").read_markers() == {}
+    assert not list((tmp_path / "out" / "sets" / "mean").glob("part-*"))
