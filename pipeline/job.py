@@ -262,8 +262,8 @@ def _check_fingerprints(embedder, sets: list[SetWork]) -> None:
     """This worker's model makes the vectors each set was claimed for (a long-lived worker
     whose model files changed under it would otherwise write another model's vectors)."""
     for work in sets:
-        made = embedder.fingerprint(work.name)
-        if work.fingerprint is not None and made != work.fingerprint:
+        made = work.fingerprint and embedder.fingerprint(work.name)
+        if made != work.fingerprint:
             raise FingerprintError(
                 f"set {work.name!r}: this worker's model makes fingerprint {made}, the run "
                 f"planned {work.fingerprint} (model files changed during the run?); rerun"
