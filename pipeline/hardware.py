@@ -49,16 +49,13 @@ def rate(dtype, budget=0.4, product=torch.matmul):
         best = min(best, time.perf_counter() - t)
         if time.perf_counter() > end:
             return 5 * 2 * 512 * 384 * 1536 / best / 1e9
-fp32 = rate(torch.float32)
-bf16 = rate(torch.bfloat16)
-try:  # fp32 through oneDNN's inner product (pipeline.onednn), where torch has it
-    w = b.t().contiguous()
-    def linear(x, y):
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    onednn = rate(torch.float32, product=linear)
-except (RuntimeError, AttributeError):
-    onednn = None
-print(json.dumps({"fp32_gflops": fp32, "bf16_gflops": bf16, "fp32_onednn_gflops": onednn}))
+# one line per figure, flushed: a crash in a later one (bf16 on trapping AMX) keeps the earlier
+print(json.dumps({"fp32_gflops": rate(torch.float32)}), flush=True)
+print(json.dumps({"bf16_gflops": rate(torch.bfloat16)}), flush=True)
+w = b.t().contiguous()  # fp32 through oneDNN's inner product (pipeline.onednn)
+def linear(x, y):
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+print(json.dumps({"fp32_onednn_gflops": rate(torch.float32, product=linear)}), flush=True)
 """
 
 
@@ -81,15 +78,19 @@ def _cache_file() -> Path:
 
 
 def _run_probe(env: dict[str, str]) -> dict | None:
+    """The probe's figures; None when it died before bf16 was measured (oneDNN's bf16 trapped).
+    A failure of the oneDNN fp32 timing alone leaves ``fp32_onednn_gflops`` None."""
     try:
         done = subprocess.run(
             [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120
         )
-    except subprocess.TimeoutExpired:
-        return None
-    if done.returncode != 0:
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        out = done.stdout
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    figures: dict = {"fp32_onednn_gflops": None}
+    for line in out.splitlines():
+        figures.update(json.loads(line))
+    return figures if "bf16_gflops" in figures else None
 
 
 def _measure() -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +69,18 @@ def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
     assert not any(isinstance(m, OneDnnLinear) for m in default.encoder.model.modules())
     np.testing.assert_allclose(fast.encode(TEXTS), default.encode(TEXTS), atol=1e-6)
     assert fast.fingerprint("mean") == default.fingerprint("mean")  # the same set
+
+
+@pytest.mark.parametrize(("dies_after", "expected"), [
+    (1, None),  # bf16 never measured: taken as a trap (the caller re-probes with AMX capped)
+    (2, {"fp32_gflops": 1.0, "bf16_gflops": 2.0, "fp32_onednn_gflops": None}),
+    (3, {"fp32_gflops": 1.0, "bf16_gflops": 2.0, "fp32_onednn_gflops": 3.0}),
+])
+def test_a_probe_that_dies_keeps_what_it_measured_before(
+        monkeypatch: pytest.MonkeyPatch, dies_after: int, expected: dict | None) -> None:
+    """A crash in the oneDNN fp32 timing must not read as bf16 trapping."""
+    names = ["fp32_gflops", "bf16_gflops", "fp32_onednn_gflops"]
+    lines = "; ".join(f"print(json.dumps({{{names[i]!r}: {i + 1}.0}}), flush=True)"
+                      for i in range(dies_after))
+    monkeypatch.setattr(hardware, "_PROBE", f"import json, os; {lines}; os.abort()")
+    assert hardware._run_probe(dict(os.environ)) == expected
