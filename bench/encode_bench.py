@@ -242,7 +242,8 @@ def bench(args: argparse.Namespace) -> dict:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
     peak = matmul_peak(dtype, config.hidden_size, config.intermediate_size)
     report["encoder"] = info.__dict__ | {"token_budget": embedder.encoder.token_budget,
-                                         "max_batch_rows": embedder.encoder.max_batch_rows}
+                                         "max_batch_rows": embedder.encoder.max_batch_rows,
+                                         "fp32_kernel": embedder.encoder.fp32_kernel}
     report["matmul_peak_gflops"] = peak
     # warm both
     st.encode(texts["short"][:64])
