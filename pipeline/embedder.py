@@ -212,7 +212,7 @@ def _needs_attention(spec: PoolerSpec) -> bool:
     return bool(cls and cls.needs_attention)
 
 
-_CACHE: dict[str, tuple[str, Embedder]] = {}  # config -> (model files' hash, embedder)
+_CACHE: dict[str, Embedder] = {}
 _LOCK = threading.Lock()
 
 
@@ -242,10 +242,9 @@ def get_embedder(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> Embed
         [encoder.model_dump(mode="json"), [p.model_dump(mode="json") for p in poolers]],
         sort_keys=True,
     )
-    files = folder_hash(encoder.model)
     with _LOCK:
         cached = _CACHE.get(key)
-        if cached is None or cached[0] != files:
+        if cached is None or folder_hash(encoder.model) != cached.encoder.files_hash:
             torch.set_grad_enabled(False)
-            _CACHE[key] = (files, Embedder(encoder, poolers))
-        return _CACHE[key][1]
+            _CACHE[key] = Embedder(encoder, poolers)
+        return _CACHE[key]

@@ -120,10 +120,10 @@ class Encoder:
         self.document_prompt = self._prompt(prompts.document(cfg.prompt_name))
         self.query_prompt = self._prompt(prompts.query(cfg.query_prompt_name))
         self.dtype, self.compiled = "fp32", False  # the dtype check runs the eager model
-        files_hash = self.files.model_hash()  # walks and stats the model's files: once
-        model_key = f"{files_hash}-{self.model.config._attn_implementation}-{self.fp32_kernel}"
+        self.files_hash = self.files.model_hash()  # walks and stats the model's files: once
+        model_key = f"{self.files_hash}-{self.model.config._attn_implementation}-{self.fp32_kernel}"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)
-        self.model_hash = quantized_hash(files_hash, self.dtype)
+        self.model_hash = quantized_hash(self.files_hash, self.dtype)
         if self.dtype == INT8:
             self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types)
         elif self.dtype in HALF:
