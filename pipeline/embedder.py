@@ -30,6 +30,7 @@ from pipeline.encoder import Encoder, EncoderInfo, Prompt
 from pipeline.errors import ConfigError
 from pipeline.poolers import Pooler, build_pooler
 from pipeline.token_rows import TokenRows
+from pipeline.vectors import unit_rows
 from pipeline.windows import Pieces, truncate, windows
 
 MIN_FILL = 0.9  # a batch ends before real tokens fall under 90% of padded (bench/encode_bench.py)
@@ -178,8 +179,7 @@ class Embedder:
         if spec.truncate_dim:
             vectors = vectors[:, : spec.truncate_dim]
         if self.poolers[name].normalizes:
-            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-            vectors = vectors / np.maximum(norms, 1e-12)
+            vectors = unit_rows(vectors)
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
 

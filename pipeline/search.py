@@ -22,9 +22,9 @@ from pipeline.config import EncoderConfig, PoolerSpec, parse
 from pipeline.data import TextBatch
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
-from pipeline.index.setdata import unit_rows
 from pipeline.sets import SetFolder, SetMeta
 from pipeline.snippets import SnippetStore
+from pipeline.vectors import unit_rows
 
 
 class Hit(BaseModel):

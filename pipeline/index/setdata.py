@@ -16,6 +16,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.sets import SetFolder
+from pipeline.vectors import unit_rows
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,6 @@ def vectors_of(column: pa.Array | pa.ChunkedArray, dim: int, where: str,
     flat = column.flatten().to_numpy(zero_copy_only=False)
     vectors = np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32)
     return unit_rows(vectors) if unit else vectors
-
-
-def unit_rows(vectors: np.ndarray) -> np.ndarray:
-    """``vectors`` with each row scaled to unit length (a zero row stays zero)."""
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return vectors / np.maximum(norms, np.finfo(np.float32).tiny)
 
 
 def iter_batches(parts: list[Part], dim: int, batch_rows: int,

@@ -39,6 +39,7 @@ from pipeline.server.models import (
     TeiEmbedRequest,
     as_list,
 )
+from pipeline.vectors import unit_rows
 
 log = logging.getLogger("embedpipe.server")
 
@@ -197,7 +198,7 @@ def _embed(s: Searcher, texts: list[str], dimensions: int | None,
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
     if normalize or (dimensions is not None and s.set.normalize):
-        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        vectors = unit_rows(vectors)
     return np.ascontiguousarray(vectors, dtype=np.float32), tokens
 
 

@@ -1,0 +1,12 @@
+"""Row-wise vector arithmetic shared by the embedder, search and the server."""
+
+from __future__ import annotations
+
+import numpy as np
+
+EPS = 1e-12  # a zero row stays zero
+
+
+def unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """``vectors`` with each row scaled to unit L2 length."""
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), EPS)
