@@ -94,6 +94,30 @@ def test_the_check_measures_bf16_on_the_model_and_leaves_it_in_fp32(tiny_model_d
     assert torch.equal(before, after)
 
 
+def test_a_checkpoint_saved_in_fp16_runs_fp32_where_the_run_says_fp32(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """transformers 5 loads a checkpoint in its stored dtype; the encoder's weights are float32
+    whatever the files hold, so ``dtype fp32`` means fp32 products (the same vectors as the
+    fp16-rounded weights upcast by hand)."""
+    import shutil
+
+    from transformers import AutoModel
+
+    half = tmp_path / "fp16-saved"
+    shutil.copytree(tiny_model_dir, half)
+    AutoModel.from_pretrained(str(tiny_model_dir)).half().save_pretrained(half)
+    encoder = Encoder(EncoderConfig(model=str(half), device="cpu", dtype="fp32"))
+    assert {p.dtype for p in encoder.model.parameters()} == {torch.float32}
+    ids, mask = encoder.pad(encoder.tokenize(["stored in fp16", "run in fp32 " * 5]))
+    got = encoder.forward(ids, mask, {encoder.num_layers}, False).layer(-1)
+    by_hand = AutoModel.from_pretrained(str(half), attn_implementation="sdpa").float().eval()
+    assert next(AutoModel.from_pretrained(str(half)).parameters()).dtype == torch.float16
+    with torch.inference_mode():
+        want = by_hand(input_ids=ids, attention_mask=mask.long(),
+                       token_type_ids=torch.zeros_like(ids)).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not cpu_profile()["bf16_ok"], reason="this CPU cannot run bf16")
 def test_bf16_weights_cast_once_give_autocasts_vectors(tiny_model_dir: Path) -> None:
     """Linear weights stored in bf16 round exactly as autocast rounds them every forward."""

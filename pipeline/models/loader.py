@@ -131,23 +131,29 @@ def _lower_case(tokenizer) -> None:
 
 
 def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool):
-    """The transformer in eval mode; eager attention only where asked (a pooler reads the
-    attention weights, or the int8 path exports the graph), SDPA otherwise."""
+    """The transformer in eval mode, its weights in float32; eager attention only where asked
+    (a pooler reads the attention weights, or the int8 path exports the graph), SDPA otherwise.
+
+    float32 whatever dtype the checkpoint stores: transformers 5 loads a checkpoint in its
+    stored dtype, so an fp16-saved model would otherwise run fp16 products where the run says
+    fp32 (on a CPU, slowly); ``pipeline.precision`` chooses the dtype the products run in."""
     from pipeline.compiled import place_kernel_cache
     from pipeline.hardware import prepare_cpu_kernels
 
     prepare_cpu_kernels()  # before torch's first CPU kernel (see pipeline.hardware)
     place_kernel_cache()  # before transformers' import reads TorchInductor's cache dir
+    import torch
     from transformers import AutoConfig, AutoModel
 
     hub = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     config = AutoConfig.from_pretrained(str(files.transformer_dir), **files.transformer.config_args,
                                         **hub)
     model_args = {k: v for k, v in files.transformer.model_args.items()
-                  if k not in ("attn_implementation", "local_files_only")}
+                  if k not in ("attn_implementation", "local_files_only", "dtype", "torch_dtype")}
     attn = "eager" if eager else "sdpa"
     model = AutoModel.from_pretrained(str(files.transformer_dir), config=config,
-                                      attn_implementation=attn, **model_args, **hub)
+                                      attn_implementation=attn, dtype=torch.float32,
+                                      **model_args, **hub)
     return model.eval()
 
 
