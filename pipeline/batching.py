@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
+SLICE_ROWS = 4096  # texts per encode call, at least, where the caller tokenizes ahead
+
+
+def slice_rows(max_batch_rows: int) -> int:
+    """Texts per encode call where the caller tokenizes the next slice meanwhile (a shard's
+    reader thread, ``Embedder.encode``): smaller slices overlap sooner and hold less memory,
+    but a slice of under a few batches' rows leaves a GPU's batches part-empty."""
+    return max(SLICE_ROWS, 4 * max_batch_rows)
+
 
 def token_budget_batches(
     lengths: np.ndarray, token_budget: int, max_rows: int, min_fill: float = 0.0

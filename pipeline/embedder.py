@@ -17,18 +17,19 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pipeline.batching import token_budget_batches
+from pipeline.batching import slice_rows, token_budget_batches
 from pipeline.config import EncoderConfig, PoolerSpec, WindowAgg, stable_hash
 from pipeline.data import EmbeddingBatch, TextBatch
 from pipeline.encoder import Encoder, EncoderInfo, Prompt
 from pipeline.errors import ConfigError
 from pipeline.poolers import Pooler, build_pooler
+from pipeline.stages import prefetch
 from pipeline.token_rows import TokenRows
 from pipeline.vectors import unit_rows
 from pipeline.windows import Pieces, truncate, windows
@@ -117,13 +118,13 @@ class Embedder:
         if not len(tokens.ids):
             empty = {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()}
             return EmbeddingBatch([], empty)
-        total = tokens.ids.lengths
-        lengths = total - tokens.lead  # the text's own tokens, after the prompt's
-        pieces = self._plan(lengths, tokens.lead)
-        raw = self._forward_pieces(tokens.ids, tokens.lead, pieces, tokens.prompt_length)
-        vectors = {name: self._finish(name, raw[name], pieces, len(total)) for name in raw}
+        rows = len(tokens.ids)
+        lengths = tokens.ids.lengths - tokens.lead  # the text's own tokens, after the prompt's
+        pieces = self.plan(tokens)
+        raw = self._forward_pieces(tokens, pieces)
+        vectors = {name: self._finish(name, raw[name], pieces, rows) for name in raw}
         stats = {
-            "rows": len(total),
+            "rows": rows,
             "tokens": int(pieces.lengths.sum()),
             "windows": len(pieces),
             "truncated": 0 if self.cfg.window else int((lengths > pieces.lengths).sum()),
@@ -139,33 +140,57 @@ class Embedder:
         return self._encode(texts, set_name, self.encoder.query_prompt)
 
     def _encode(self, texts: Sequence[str], set_name: str | None, prompt: Prompt) -> np.ndarray:
+        """Vectors of ``texts`` in slices of ``slice_rows``: a thread tokenizes the next slice
+        while this one encodes (on a GPU, tokenizing is as long as the forward passes)."""
         name = set_name or next(iter(self.specs))
-        tokens = self.tokenize(list(texts), prompt)
-        return self.encode_tokens(list(range(len(texts))), tokens).vectors[name]
+        texts = list(texts)
+        step = self.slice_rows
+        slices = [texts[i : i + step] for i in range(0, len(texts), step)] or [[]]
+        tokenized = (self.tokenize(part, prompt) for part in slices)
+        if len(slices) > 1:
+            tokenized = prefetch(tokenized, depth=1)
+        parts = [self.encode_tokens(list(range(len(tokens.ids))), tokens).vectors[name]
+                 for tokens in tokenized]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _plan(self, lengths: np.ndarray, lead: np.ndarray) -> Pieces:
+    @property
+    def slice_rows(self) -> int:
+        """Texts per ``encode_tokens`` call where the caller tokenizes ahead (see
+        ``pipeline.batching.slice_rows``)."""
+        return slice_rows(self.encoder.max_batch_rows)
+
+    def plan(self, tokens: Tokens) -> Pieces:
         """Pieces over each text's own tokens; the prompt's ``lead`` tokens take their share
         of every piece's budget, as sentence-transformers counts them in max_seq_length."""
+        lead = tokens.lead
+        lengths = tokens.ids.lengths - lead
         window = self.cfg.window
         if window is None:
             return truncate(lengths, self.encoder.content_length - lead)
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         return windows(lengths, window.size - specials - lead, window.stride)
 
-    def _forward_pieces(self, tokens: TokenRows, lead: np.ndarray, pieces: Pieces,
-                        prompt_length: int) -> dict[str, np.ndarray]:
+    def padded_batches(self, tokens: Tokens, pieces: Pieces
+                       ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        """Token-budget batches of ``pieces`` as (piece positions, ids, mask), longest first."""
+        lead = tokens.lead
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
-        out = {n: np.empty((len(pieces), p.width), np.float32) for n, p in self.poolers.items()}
         batches = token_budget_batches(
             pieces.lengths + lead[pieces.row] + specials, self.encoder.token_budget,
             self.encoder.max_batch_rows, MIN_FILL,
         )
-        pooled: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
         for idx in batches:
             rows = pieces.row[idx]
-            ids, mask = self.encoder.pad_rows(tokens, rows, lead[rows], pieces.start[idx],
+            ids, mask = self.encoder.pad_rows(tokens.ids, rows, lead[rows], pieces.start[idx],
                                               pieces.end[idx])
-            states = self.encoder.forward(ids, mask, self.layers, self.attention, prompt_length)
+            yield idx, ids, mask
+
+    def _forward_pieces(self, tokens: Tokens, pieces: Pieces) -> dict[str, np.ndarray]:
+        out = {n: np.empty((len(pieces), p.width), np.float32) for n, p in self.poolers.items()}
+        pooled: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
+        for idx, ids, mask in self.padded_batches(tokens, pieces):
+            states = self.encoder.forward(ids, mask, self.layers, self.attention,
+                                          tokens.prompt_length)
             pooled.append((idx, {n: p(states).float() for n, p in self.poolers.items()}))
         # copied back only now, so a GPU never waits for the host between batches
         for idx, vectors in pooled:

@@ -9,11 +9,13 @@ kernel; everything else runs fused SDPA).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend
 
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
@@ -101,9 +103,10 @@ class Encoder:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(f"cannot load an encoder from {self.folder}: {first}") from None
         self.device = choose_device(cfg.device)
-        budget, rows = BATCH_LIMITS.get(self.device.type, BATCH_LIMITS["cpu"])
-        self.token_budget = cfg.token_budget or budget  # padded tokens per forward batch
-        self.max_batch_rows = cfg.max_batch_rows or rows
+        # SDPA kernels the forward may use (None: torch's own order)
+        self.sdpa_backends = CUDA_SDPA if self.device.type == "cuda" else None
+        self.token_budget, self.max_batch_rows = batch_limits(
+            cfg, self.device, int(self.model.config.hidden_size))
         self.model.to(self.device)
         self.fp32_kernel = self._fp32_kernel()
         head = loader.load_head(self.files).to(self.device)
@@ -268,7 +271,7 @@ class Encoder:
         if self.uses_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         need_all = layers != {self.num_layers}
-        with _autocast(self.device, self.dtype):
+        with _autocast(self.device, self.dtype), self._attention_kernels():
             out = self.model(**inputs, output_hidden_states=need_all, output_attentions=attention)
         if need_all:
             hidden = {i: out.hidden_states[i][:rows].float() for i in layers}
@@ -278,6 +281,13 @@ class Encoder:
         if attention:
             first = out.attentions[-1][:rows, :, 0, :].float().mean(dim=1)
         return TokenStates(hidden, mask[:rows], first, self.num_layers, prompt_length)
+
+    def _attention_kernels(self):
+        if self.sdpa_backends is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import sdpa_kernel
+
+        return sdpa_kernel(self.sdpa_backends)
 
     def _check_dtype(self, dtype: str) -> DtypeCheck:
         """``dtype`` against fp32 on this model: the lowest cosine between mean-pooled
@@ -318,9 +328,26 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # whose activations stay in its caches: MiniLM on 3,000 PyPI summaries, 2-core AVX512-BF16 VM,
 # 8,192 tokens / 256 rows gave 1,367-1,464 docs/s in bf16 and 535-536 in fp32 against
 # 1,292-1,373 and 466-489 with 16,384 / 512 (long texts 72-77 vs 69-70 docs/s in bf16). A GPU
-# keeps the larger batches (not measured here: no GPU was lent).
-BATCH_LIMITS = {"cpu": (8192, 256), "cuda": (16384, 512)}
+# wants few, large batches (each forward launches ~100 kernels from Python): MiniLM on an H200,
+# 60,000 summaries, 52,846 / 62,944 / 84,566 docs/s with 16,384 x 512 / 65,536 x 2,048 /
+# 131,072 x 4,096 (bench/gpu.py). Its budget is for a 384-wide model; a wider one gets
+# proportionally fewer tokens, so activations fit a smaller card's memory.
+BATCH_LIMITS = {"cpu": (8192, 256), "cuda": (131072, 4096)}
 TIMING_BATCH = {"cpu": (16, 64), "cuda": (256, 128)}  # (rows, tokens) the dtype check times
+# A GPU's attention kernels: all of torch's but cuDNN's, which torch 2.11 picks first on Hopper
+# and which ran BERT's masked attention slowly there (MiniLM on an H200, 4,096 rows x ~32
+# tokens: 1.1 ms a layer, 57% of the forward's GPU time; bench/gpu.py --sdpa compares them).
+CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def batch_limits(cfg: EncoderConfig, device: torch.device, hidden: int = 384
+                 ) -> tuple[int, int]:
+    """(padded tokens, rows) per forward batch: the job's, else ``BATCH_LIMITS``'s for the
+    device (on a GPU scaled to the model's ``hidden`` width)."""
+    budget, rows = BATCH_LIMITS.get(device.type, BATCH_LIMITS["cpu"])
+    if device.type == "cuda":
+        budget = max(budget * 384 // max(hidden, 384), BATCH_LIMITS["cpu"][0])
+    return cfg.token_budget or budget, cfg.max_batch_rows or rows
 
 
 def cast_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import faults, storage
+from pipeline.batching import SLICE_ROWS
 from pipeline.config import EmbedJob
 from pipeline.corpus import Chunk, read_shard
 from pipeline.errors import FingerprintError
@@ -31,10 +32,6 @@ from pipeline.sets import SetFolder, ShardMarker, quarantine_url
 from pipeline.shards import Shard
 from pipeline.stages import prefetch
 from pipeline.stats import ShardStats
-
-# rows per slice: the reader tokenizes the next slice while the encoder runs this one (the
-# embedder cuts token-budget batches itself); smaller slices overlap sooner, hold less memory
-EMBED_ROWS = 4096
 
 
 class SetWork(BaseModel):
@@ -128,7 +125,8 @@ def _keys(ids: pa.Array, hashes: np.ndarray) -> pl.DataFrame:
 
 @dataclass
 class _Slice:
-    """Up to EMBED_ROWS valid rows of a chunk, with what each set reuses and what to encode."""
+    """Up to ``_Model.slice_rows`` valid rows of a chunk, with what each set reuses and what
+    to encode."""
 
     ids: pa.Array
     hashes: np.ndarray
@@ -257,6 +255,14 @@ class _Model:
                 self._embedder = embedder
             return self._embedder
 
+    @property
+    def slice_rows(self) -> int:
+        """Rows per slice: ``SLICE_ROWS`` until a slice needed the model, then the embedder's
+        own (a GPU's batches hold more rows; deciding sooner would import torch for shards
+        whose rows all reuse stored vectors)."""
+        embedder = self._embedder
+        return SLICE_ROWS if embedder is None else embedder.slice_rows
+
 
 def _check_fingerprints(embedder, sets: list[SetWork]) -> None:
     """This worker's model makes the vectors each set was claimed for (a long-lived worker
@@ -294,10 +300,12 @@ def _read_slices(request, model: _Model, previous, stats: ShardStats, quarantine
         if job.quarantine and chunk.skipped_rows:
             quarantine.append(_quarantine_table(shard, chunk))
         stats.add_seconds("read", time.perf_counter() - tick)
-        for start in range(0, len(chunk.ids), EMBED_ROWS):
+        start = 0
+        while start < len(chunk.ids):
             tick = time.perf_counter()
-            ids = chunk.ids.slice(start, EMBED_ROWS)
-            hashes = chunk.hashes[start : start + EMBED_ROWS]
+            step = model.slice_rows
+            ids = chunk.ids.slice(start, step)
+            hashes = chunk.hashes[start : start + step]
             found = {name: prev.lookup(ids, hashes) for name, prev in previous.items()}
             need = np.flatnonzero(np.logical_or.reduce([f < 0 for f in found.values()]))
             source, encode = seen.assign(hashes[need])
@@ -310,6 +318,7 @@ def _read_slices(request, model: _Model, previous, stats: ShardStats, quarantine
                 tokens = model.embedder.tokenize(texts)
                 stats.add_seconds("tokenize", time.perf_counter() - tick)
             yield _Slice(ids, hashes, found, need, unique, source, tokens)
+            start += step
 
 
 def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _Previous

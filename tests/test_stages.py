@@ -97,6 +97,24 @@ def test_identical_texts_share_one_forward_pass(tmp_path: Path, tiny_model_dir: 
         np.testing.assert_allclose(vec, alone[i % 7], atol=1e-5)
 
 
+def test_encode_tokenizes_the_next_slice_ahead_and_keeps_input_order(
+        tiny_model_dir: Path) -> None:
+    from pipeline.batching import SLICE_ROWS
+    from pipeline.config import EncoderConfig, PoolerSpec
+
+    embedder = get_embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32"),
+                            [PoolerSpec(name="mean")])
+    assert embedder.slice_rows == SLICE_ROWS
+    texts = [text_for(i) for i in range(SLICE_ROWS + 300)]  # two slices
+    whole = embedder.encode(texts)
+    parts = np.concatenate([embedder.encode(texts[:SLICE_ROWS]),
+                            embedder.encode(texts[SLICE_ROWS:])])
+    np.testing.assert_allclose(whole, parts, atol=1e-6)
+    some = [0, SLICE_ROWS - 1, SLICE_ROWS, len(texts) - 1]
+    np.testing.assert_allclose(whole[some], embedder.encode([texts[i] for i in some]),
+                               atol=1e-5)
+
+
 def test_rerun_reuses_by_id_and_hash_and_embeds_only_changes(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
