@@ -368,26 +368,34 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def add_text_args(p: argparse.ArgumentParser, short: int, long: int) -> None:
+    """The options that choose the texts (``load_texts``), the rounds and the output folder."""
+    p.add_argument("--data", type=Path, default=DATA, help="Parquet with a text column")
+    p.add_argument("--short", type=int, default=short, help=f"summaries sampled ({short})")
+    p.add_argument("--long", type=int, default=long, help=f"long texts built ({long})")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds; the best counts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=DATA, help="Parquet with a text column")
-    p.add_argument("--short", type=int, default=2000, help="summaries sampled (default 2000)")
-    p.add_argument("--long", type=int, default=200, help="long texts built (default 200)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best counts")
-    p.add_argument("--seed", type=int, default=0)
+    add_text_args(p, short=2000, long=200)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--no-flow", action="store_true", help="skip (c), the embed flow")
     p.add_argument("--cli", action="store_true", help="also time the cold `embedpipe embed`")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
-    report = bench(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = args.out / f"encode-{stamp}.json"
+    write_report(bench(args), args.out, "encode", table)
+    return 0
+
+
+def write_report(report: dict, folder: Path, kind: str, table: Callable[[dict], str]) -> None:
+    """``report`` as ``folder/<kind>-<UTC time>.json``, and its table printed."""
+    path = folder / f"{kind}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     path.write_text(json.dumps(report, indent=2, default=str))
     print(table(report))
     print(f"written {path}")
-    return 0
 
 
 if __name__ == "__main__":

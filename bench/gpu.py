@@ -42,12 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.encode_bench import (  # noqa: E402
-    DATA,
+    add_text_args,
     encoder_flops,
     load_texts,
     min_cosine,
     real_lengths,
     st_padding,
+    write_report,
 )
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
@@ -321,10 +322,7 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=DATA, help="Parquet with a text column")
-    p.add_argument("--short", type=int, default=100_000, help="summaries sampled")
-    p.add_argument("--long", type=int, default=5_000, help="long texts built")
-    p.add_argument("--rounds", type=int, default=2, help="timed calls per contender; best counts")
+    add_text_args(p, short=60_000, long=3_000)  # 200,000 summaries hold that many
     p.add_argument("--budgets", type=parse_budgets,
                    default=parse_budgets("131072x4096,16384x512,262144x8192"),
                    help="Embedder batch limits to sweep, TOKENSxROWS,...")
@@ -335,17 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="write torch profiler kernel tables of the encoder alone to --out")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script, small sizes")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py needs a CUDA GPU (bench/encode_bench.py measures a CPU)")
     args.out.mkdir(parents=True, exist_ok=True)
-    report = bench(args)
-    path = args.out / f"gpu-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(json.dumps(report, indent=2, default=str))
-    print(table(report))
-    print(f"written {path}")
+    write_report(bench(args), args.out, "gpu", table)
     return 0
 
 

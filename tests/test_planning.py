@@ -102,3 +102,23 @@ def test_padded_rows_are_prefix_prompt_slice_suffix_then_padding(
     for got, keep, want in zip(ids.tolist(), mask.tolist(), expected, strict=True):
         assert got == want + [0] * (len(got) - len(want))
         assert keep == [True] * len(want) + [False] * (len(got) - len(want))
+
+
+def test_batch_limits_are_the_jobs_else_the_devices_and_a_gpus_shrink_with_width() -> None:
+    import torch
+
+    from pipeline.batching import SLICE_ROWS, slice_rows
+    from pipeline.config import EncoderConfig
+    from pipeline.encoder import BATCH_LIMITS, batch_limits
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name needs no GPU
+    assert batch_limits(EncoderConfig(), cpu, hidden=1024) == BATCH_LIMITS["cpu"]
+    tokens, rows = BATCH_LIMITS["cuda"]
+    assert batch_limits(EncoderConfig(), cuda, hidden=384) == (tokens, rows)
+    assert batch_limits(EncoderConfig(), cuda, hidden=1024) == (tokens * 384 // 1024, rows)
+    assert batch_limits(EncoderConfig(), cuda, hidden=10**6)[0] == BATCH_LIMITS["cpu"][0]
+    mine = EncoderConfig(token_budget=5000, max_batch_rows=70)
+    assert batch_limits(mine, cuda, hidden=1024) == (5000, 70)
+    # a slice holds a few batches' rows, never fewer than SLICE_ROWS texts
+    assert slice_rows(BATCH_LIMITS["cpu"][1]) == SLICE_ROWS
+    assert slice_rows(rows) == 4 * rows
