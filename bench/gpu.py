@@ -15,7 +15,8 @@ joined into 200-500 tokens, truncated at MiniLM's 256 as bench/encode_bench.py b
 * the encoder alone for each Embedder setting: its forward passes and poolers over batches
   tokenized and padded beforehand, as a shard's reader thread hands them over (``--profile``
   writes torch's kernel table of that to ``--out``);
-* tokenizing alone (the host's share of the work).
+* tokenizing alone, as the Embedder tokenizes (the host's share of the work; in worker
+  processes on a GPU host, see pipeline/tokenize_pool.py).
 
 Printed per text set: docs/s, tokens/s, achieved TFLOP/s from the model config and the real
 tokens (specials included, after truncation; bench/encode_bench.py's count), MFU (achieved /
@@ -146,12 +147,14 @@ def main_thread_profile(encode: Callable[[list[str]], object], texts: list[str],
 
 def sdpa_sweep(embedder: Embedder, texts: list[str], rounds: int, flops: float, peak: float,
                rows: dict) -> None:
-    """The encoder alone with each set of SDPA kernels (None: torch's own order, cuDNN first
-    on Hopper), as rows ``sdpa_<kernels>`` beside the contenders."""
+    """The encoder alone with each set of SDPA kernels (``by_width``: the encoder's choice;
+    None: torch's own order, cuDNN first on Hopper), as rows ``sdpa_<kernels>``."""
     from torch.nn.attention import SDPBackend
 
+    from pipeline.encoder import NARROW_SDPA
+
     chosen = embedder.encoder.sdpa_backends
-    sets = {"torch_order": None, "no_cudnn": chosen,
+    sets = {"by_width": "by_width", "torch_order": None, "no_cudnn": NARROW_SDPA,
             "efficient": [SDPBackend.EFFICIENT_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
             "math": [SDPBackend.MATH]}
     try:
@@ -223,8 +226,7 @@ def measure_set(name: str, texts: list[str], fns: dict, probe: Embedder, args, p
     if args.sdpa:
         sdpa_sweep(fns[f"ours_{args.budgets[0][0]}x{args.budgets[0][1]}"].__self__, texts,
                    args.rounds, flops, peak, rows)
-    tokenize_s, _ = best_of(args.rounds, lambda t: np.array(probe.encoder.tokenize(t),
-                                                            dtype=object), texts)
+    tokenize_s, _ = best_of(args.rounds, lambda t: probe.encoder.tokenize_rows(t).values, texts)
     pads = {f"{b}x{r}": padding_efficiency(lengths, token_budget_batches(lengths, b, r, MIN_FILL))
             for b, r in args.budgets}
     report["sets"][name] = {

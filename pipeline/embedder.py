@@ -109,9 +109,8 @@ class Embedder:
         """Step 1 of ``embed`` (a reader thread may run it): each text's token ids behind the
         prompt (the document prompt unless another is given)."""
         prompt = self.encoder.document_prompt if prompt is None else prompt
-        ids = self.encoder.tokenize(texts, prompt) if texts else []
-        lead = self.encoder.prompt_lead(ids, prompt)
-        return Tokens(TokenRows.from_lists(ids), lead, prompt.length)
+        ids = self.encoder.tokenize_rows(texts, prompt)
+        return Tokens(ids, self.encoder.prompt_lead(ids, prompt), prompt.length)
 
     def encode_tokens(self, ids: list, tokens: Tokens) -> EmbeddingBatch:
         """Step 2 of ``embed``: the forward passes and poolers over tokenized texts."""

@@ -25,6 +25,7 @@ from pipeline.models.similarity import Similarity
 from pipeline.precision import CALIBRATION_TEXTS, DtypeCheck, choose_device, choose_dtype
 from pipeline.quantize import INT8, OnnxInt8Model, check_int8, quantized_hash
 from pipeline.token_rows import TokenRows, pad_rows
+from pipeline.tokenize_pool import MIN_TEXTS, TokenizerPool, pool_workers
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,9 @@ class Encoder:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(f"cannot load an encoder from {self.folder}: {first}") from None
         self.device = choose_device(cfg.device)
-        # SDPA kernels the forward may use (None: torch's own order)
-        self.sdpa_backends = CUDA_SDPA if self.device.type == "cuda" else None
+        # SDPA kernels the forward may use: "by_width" (a GPU: NARROW_SDPA for batches under
+        # CUDNN_MIN_WIDTH tokens, torch's own order above), None (torch's order) or a list
+        self.sdpa_backends: str | list | None = "by_width" if self.device.type == "cuda" else None
         self.token_budget, self.max_batch_rows = batch_limits(
             cfg, self.device, int(self.model.config.hidden_size))
         self.model.to(self.device)
@@ -118,6 +120,8 @@ class Encoder:
         self.prefix, self.suffix = self._special_tokens()
         self.pad_id = self.tokenizer.pad_token_id or 0
         self._ids = loader.ids_tokenizer(self.tokenizer)
+        self.tokenizer_workers = pool_workers(self.device.type)  # 0: tokenize in this process
+        self._pool = None
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
         prompts = self.files.prompts
         self.document_prompt = self._prompt(prompts.document(cfg.prompt_name))
@@ -207,9 +211,18 @@ class Encoder:
         With a prompt, each text is tokenized as ``prompt + text``, one string, as
         sentence-transformers does (so a tokenizer that merges across the seam merges here).
         """
-        if prompt is not None and prompt.text:
-            texts = [prompt.text + text for text in texts]
+        texts = _prompted(texts, prompt)
         return [e.ids for e in self._ids.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def tokenize_rows(self, texts: list[str], prompt: Prompt | None = None) -> TokenRows:
+        """``tokenize`` as one flat TokenRows; many texts for a GPU encoder go to worker
+        processes (``pipeline.tokenize_pool``: the GIL stays with the thread that launches
+        the GPU's kernels)."""
+        if self.tokenizer_workers and len(texts) >= MIN_TEXTS:
+            if self._pool is None:
+                self._pool = TokenizerPool(self._ids.to_str(), self.tokenizer_workers)
+            return self._pool.encode(_prompted(texts, prompt))
+        return TokenRows.from_lists(self.tokenize(texts, prompt))
 
     def tokenize_for(self, texts: list[str], queries: np.ndarray) -> list[list[int]]:
         """``tokenize`` with the query prompt where ``queries`` is True, else the document one."""
@@ -222,19 +235,16 @@ class Encoder:
         return out
 
     @staticmethod
-    def prompt_lead(tokens: list[list[int]], prompt: Prompt) -> np.ndarray:
+    def prompt_lead(tokens: TokenRows, prompt: Prompt) -> np.ndarray:
         """Per row, how many leading ids are the prompt's (its ids alone, as far as the
         joint tokenization kept them): windows repeat these, the text is cut after them."""
         lead = np.zeros(len(tokens), np.int64)
-        if not prompt.ids:
-            return lead
-        for row, ids in enumerate(tokens):
-            k = 0
-            for a, b in zip(ids, prompt.ids, strict=False):  # up to the shorter
-                if a != b:
-                    break
-                k += 1
-            lead[row] = k
+        matching = np.ones(len(tokens), bool)
+        starts, lengths = tokens.offsets[:-1], tokens.lengths
+        for k, prompt_id in enumerate(prompt.ids):
+            matching &= lengths > k
+            matching[matching] = tokens.values[starts[matching] + k] == prompt_id
+            lead += matching
         return lead
 
     def pad(self, pieces: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,7 +281,7 @@ class Encoder:
         if self.uses_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         need_all = layers != {self.num_layers}
-        with _autocast(self.device, self.dtype), self._attention_kernels():
+        with _autocast(self.device, self.dtype), self._attention_kernels(ids.shape[1]):
             out = self.model(**inputs, output_hidden_states=need_all, output_attentions=attention)
         if need_all:
             hidden = {i: out.hidden_states[i][:rows].float() for i in layers}
@@ -282,12 +292,15 @@ class Encoder:
             first = out.attentions[-1][:rows, :, 0, :].float().mean(dim=1)
         return TokenStates(hidden, mask[:rows], first, self.num_layers, prompt_length)
 
-    def _attention_kernels(self):
-        if self.sdpa_backends is None:
+    def _attention_kernels(self, width: int):
+        backends = self.sdpa_backends
+        if backends == "by_width":
+            backends = NARROW_SDPA if width < CUDNN_MIN_WIDTH else None
+        if backends is None:
             return contextlib.nullcontext()
         from torch.nn.attention import sdpa_kernel
 
-        return sdpa_kernel(self.sdpa_backends)
+        return sdpa_kernel(backends)
 
     def _check_dtype(self, dtype: str) -> DtypeCheck:
         """``dtype`` against fp32 on this model: the lowest cosine between mean-pooled
@@ -334,10 +347,13 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # proportionally fewer tokens, so activations fit a smaller card's memory.
 BATCH_LIMITS = {"cpu": (8192, 256), "cuda": (131072, 4096)}
 TIMING_BATCH = {"cpu": (16, 64), "cuda": (256, 128)}  # (rows, tokens) the dtype check times
-# A GPU's attention kernels: all of torch's but cuDNN's, which torch 2.11 picks first on Hopper
-# and which ran BERT's masked attention slowly there (MiniLM on an H200, 4,096 rows x ~32
-# tokens: 1.1 ms a layer, 57% of the forward's GPU time; bench/gpu.py --sdpa compares them).
-CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# A GPU's attention kernels by batch width: torch 2.11 picks cuDNN's first on Hopper, which ran
+# BERT's masked attention over short rows slowly there (MiniLM on an H200, 4,096 rows of ~32
+# tokens: 1.1 ms a layer, 57% of the forward's GPU time; the forward alone ran 265,528 docs/s
+# without it, 176,024 with it) and over 256-token rows faster (29,613 vs 27,131 docs/s):
+# bench/gpu.py --sdpa. Where between 32 and 256 tokens they cross was not measured.
+NARROW_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDNN_MIN_WIDTH = 128
 
 
 def batch_limits(cfg: EncoderConfig, device: torch.device, hidden: int = 384
@@ -356,6 +372,12 @@ def cast_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.to(dtype)
+
+
+def _prompted(texts: list[str], prompt: Prompt | None) -> list[str]:
+    if prompt is None or not prompt.text:
+        return texts
+    return [prompt.text + text for text in texts]
 
 
 def _autocast(device: torch.device, dtype: str):
