@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
@@ -296,11 +296,7 @@ class Encoder:
         backends = self.sdpa_backends
         if backends == "by_width":
             backends = NARROW_SDPA if width < CUDNN_MIN_WIDTH else None
-        if backends is None:
-            return contextlib.nullcontext()
-        from torch.nn.attention import sdpa_kernel
-
-        return sdpa_kernel(backends)
+        return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
 
     def _check_dtype(self, dtype: str) -> DtypeCheck:
         """``dtype`` against fp32 on this model: the lowest cosine between mean-pooled
