@@ -1,7 +1,7 @@
 """The Embedder on a CUDA GPU against sentence-transformers, and its share of the card's peak.
 
     python bench/gpu.py                         # on a machine with a CUDA GPU, ~5 min
-    python bench/gpu.py --short 100000 --long 5000 --budgets 16384x512,65536x2048
+    python bench/gpu.py --compile --sdpa --profile --budgets 131072x4096,262144x8192
 
 One run, the same texts for every contender (``short``: PyPI summaries; ``long``: summaries
 joined into 200-500 tokens, truncated at MiniLM's 256 as bench/encode_bench.py builds them):
