@@ -58,7 +58,7 @@ import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
 from bench.peak import matmul_peak  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
-from pipeline.embedder import MIN_FILL, Embedder, get_embedder  # noqa: E402
+from pipeline.embedder import Embedder, get_embedder  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "pypi_summaries_200k.parquet"
 ST_BATCH = 32  # SentenceTransformer.encode's default batch size
@@ -254,7 +254,8 @@ def bench(args: argparse.Namespace) -> dict:
         flops = encoder_flops(lengths, config)
         specials = len(embedder.encoder.prefix) + len(embedder.encoder.suffix)
         batches = token_budget_batches(
-            lengths, embedder.encoder.token_budget, embedder.encoder.max_batch_rows, MIN_FILL
+            lengths, embedder.encoder.token_budget, embedder.encoder.max_batch_rows,
+            embedder.encoder.min_fill,
         )
         best_a, best_b = float("inf"), float("inf")
         rss = {"a": 0.0, "b": 0.0}

@@ -53,7 +53,7 @@ from bench.encode_bench import (  # noqa: E402
 )
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
-from pipeline.embedder import MIN_FILL, Embedder  # noqa: E402
+from pipeline.embedder import Embedder  # noqa: E402
 from pipeline.encoder import BATCH_LIMITS  # noqa: E402
 
 
@@ -227,7 +227,8 @@ def measure_set(name: str, texts: list[str], fns: dict, probe: Embedder, args, p
         sdpa_sweep(fns[f"ours_{args.budgets[0][0]}x{args.budgets[0][1]}"].__self__, texts,
                    args.rounds, flops, peak, rows)
     tokenize_s, _ = best_of(args.rounds, lambda t: probe.encoder.tokenize_rows(t).values, texts)
-    pads = {f"{b}x{r}": padding_efficiency(lengths, token_budget_batches(lengths, b, r, MIN_FILL))
+    fill = probe.encoder.min_fill
+    pads = {f"{b}x{r}": padding_efficiency(lengths, token_budget_batches(lengths, b, r, fill))
             for b, r in args.budgets}
     report["sets"][name] = {
         "docs": len(texts), "mean_tokens": float(lengths.mean()), "flops": flops,

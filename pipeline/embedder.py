@@ -34,8 +34,6 @@ from pipeline.token_rows import TokenRows
 from pipeline.vectors import unit_rows
 from pipeline.windows import Pieces, truncate, windows
 
-MIN_FILL = 0.9  # a batch ends before real tokens fall under 90% of padded (bench/encode_bench.py)
-
 
 @dataclass(frozen=True)
 class Tokens:
@@ -176,7 +174,7 @@ class Embedder:
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         batches = token_budget_batches(
             pieces.lengths + lead[pieces.row] + specials, self.encoder.token_budget,
-            self.encoder.max_batch_rows, MIN_FILL,
+            self.encoder.max_batch_rows, self.encoder.min_fill,
         )
         for idx in batches:
             rows = pieces.row[idx]

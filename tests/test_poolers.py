@@ -182,11 +182,9 @@ def test_pooler_may_override_window_agg(tiny_model_dir: Path) -> None:
 def test_one_forward_pass_for_all_poolers(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipeline.embedder
-
-    monkeypatch.setattr(pipeline.embedder, "MIN_FILL", 0.0)  # one batch: no cut for padding
     specs = [PoolerSpec(name=s) for s in ("cls", "mean", "max")]
     emb = Embedder(fp32(tiny_model_dir, token_budget=100_000), specs)
+    monkeypatch.setattr(emb.encoder, "min_fill", 0.0)  # one batch: no cut for padding
     calls = []
     hook = emb.encoder.model.register_forward_hook(lambda *a: calls.append(1))
     try:
