@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.index import IndexRequest, index_set, open_index, read_meta
-from pipeline.index.setdata import iter_batches, list_parts
+from pipeline.index.setdata import SetVectors
 from pipeline.sets import SetFolder
 
 PART_ROWS = 100_000
@@ -109,7 +109,8 @@ def main() -> None:
 
     # Exact search over the same vectors (outside the budget: it holds every vector).
     flat = faiss.IndexFlatIP(args.dim)
-    for _, x in iter_batches(list_parts(SetFolder(str(out), "bench"), args.dim), args.dim, 65_536):
+    bench_set = SetFolder(str(out), "bench")
+    for _, x in SetVectors.of(bench_set, bench_set.meta()).iter_batches(65_536):
         flat.add(x)
     exact_qps = qps(lambda q: flat.search(q, 10), queries, args.single)
     truth = flat.search(queries, 10)[1]  # labels are row numbers = ids = FAISS labels here

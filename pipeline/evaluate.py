@@ -106,7 +106,7 @@ def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
 def choose_exact(out: str, name: str, exact: bool | None) -> bool:
     """Exact when asked, when the set has no index, or (by default) when it fits in memory."""
     from pipeline.index import read_meta
-    from pipeline.index.setdata import list_parts
+    from pipeline.index.setdata import SetVectors
 
     if exact is not None:
         if not exact and read_meta(out, name) is None:
@@ -117,7 +117,7 @@ def choose_exact(out: str, name: str, exact: bool | None) -> bool:
         return True
     folder = SetFolder(out, name)
     info = folder.meta()
-    rows = sum(p.rows for p in list_parts(folder, info.dim))
+    rows = SetVectors.of(folder, info).rows
     return rows * info.dim * 4 <= EXACT_MAX_BYTES
 
 
@@ -126,7 +126,7 @@ def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,
     """(query, doc, rank) of exact top-k search over every vector of the set."""
     from pipeline.index.exact import ExactTopK
     from pipeline.index.plan import BATCH_ROWS
-    from pipeline.index.setdata import iter_batches, list_parts
+    from pipeline.index.setdata import SetVectors
     from pipeline.search import QueryEncoder
 
     encoder = QueryEncoder(info, **load)
@@ -134,8 +134,8 @@ def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,
                               for s in range(0, len(queries), SEARCH_BATCH)])
     top = ExactTopK(vectors, k, info.metric)
     ids, offset = [], 0
-    parts = list_parts(SetFolder(out, info.name), info.dim)
-    for batch_ids, batch_vectors in iter_batches(parts, info.dim, BATCH_ROWS, info.unit_search):
+    data = SetVectors.of(SetFolder(out, info.name), info)
+    for batch_ids, batch_vectors in data.iter_batches(BATCH_ROWS):
         top.add(np.arange(offset, offset + len(batch_vectors)), batch_vectors)
         ids.append(batch_ids)
         offset += len(batch_vectors)

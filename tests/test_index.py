@@ -217,7 +217,7 @@ from pipeline.sets import SetFolder
 out = sys.argv[1]
 folder = SetFolder(out, "s")
 info = folder.meta()
-for _ in setdata.iter_batches(setdata.list_parts(folder, info.dim), info.dim, 10_000):
+for _ in setdata.SetVectors.of(folder, info).iter_batches(10_000):
     pass  # IO threads and buffers exist before the limit
 vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize"))
 limit = vm * 1024 + (100 << 20)  # 100 MB more: far below the flat index of 400k x 64

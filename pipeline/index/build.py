@@ -26,7 +26,7 @@ from pipeline.index.exact import ExactTopK, faiss_metric
 from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import BATCH_ROWS, QUERY_SAMPLE, IndexPlan, parse_bytes, plan_index
-from pipeline.index.setdata import Part
+from pipeline.index.setdata import Part, SetVectors
 from pipeline.index.tune import tune
 from pipeline.sets import SetChanges, SetFolder, SetMeta
 
@@ -145,8 +145,8 @@ def _changes_since(out: str, info: SetMeta, since: int) -> list[SetChanges] | No
 def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMeta | None,
           say: Callable[[str], None]) -> store.IndexMeta:
     started = time.perf_counter()
-    parts = setdata.list_parts(SetFolder(req.out, info.name), info.dim)
-    rows = sum(p.rows for p in parts)
+    data = SetVectors.of(SetFolder(req.out, info.name), info)
+    rows = data.rows
     if rows == 0:
         raise StorageError(f"set {info.name!r} in {req.out} has no rows to index")
     plan = plan_index(rows, info.dim, info.metric, budget, req.kind)
@@ -155,15 +155,15 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     index = _new_index(plan, info.dim)
     rng = np.random.default_rng(req.seed)
     query_pos, train_pos = _sample_positions(rng, rows, req.queries, plan.train_rows)
-    _, queries = setdata.gather(parts, info.dim, query_pos, info.unit_search)
+    _, queries = data.gather(query_pos)
     if not index.is_trained:
-        _, train = setdata.gather(parts, info.dim, train_pos, info.unit_search)
+        _, train = data.gather(train_pos)
         say(f"index {info.name}: training on {len(train):,} rows")
         index.train(train)
         del train
-    idmap = IdMap.empty(_id_type(parts))
+    idmap = IdMap.empty(_id_type(data.parts))
     exact = ExactTopK(queries, 10, info.metric)
-    for ids, vectors in setdata.iter_batches(parts, info.dim, req.batch_rows, info.unit_search):
+    for ids, vectors in data.iter_batches(req.batch_rows):
         labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
         index.add_with_ids(vectors, labels)
         idmap.append(labels, ids)
@@ -245,22 +245,20 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     folder = SetFolder(req.out, info.name)
     names = sorted({name for change in changes for name in change.parts})
     deleted = [i for change in changes for i in change.deleted_ids]
-    touched = [setdata.open_part(folder.url_of(n), info.dim) for n in names
-               if storage.exists(folder.url_of(n))]
+    touched = SetVectors.of(folder, info, names)
     drop = [pa.array(deleted, idmap.ids.type)] if deleted else []
-    drop += [setdata.read_ids(p.url) for p in touched]
+    drop += [setdata.read_ids(p.url) for p in touched.parts]
     dropped = idmap.drop_ids(pa.concat_arrays([d.cast(idmap.ids.type) for d in drop])
                              if drop else pa.array([], idmap.ids.type))
     removed = remove(index, dropped)
     added = 0
-    for ids, vectors in setdata.iter_batches(touched, info.dim, req.batch_rows,
-                                             info.unit_search):
+    for ids, vectors in touched.iter_batches(req.batch_rows):
         labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
         index.add_with_ids(vectors, labels)
         idmap.append(labels, ids)
         added += len(ids)
-    parts = setdata.list_parts(SetFolder(req.out, info.name), info.dim)
-    expected = sum(p.rows for p in parts)
+    data = SetVectors.of(folder, info)
+    expected = data.rows
     if len(idmap) != expected:
         return None, f"catch-up left {len(idmap):,} rows but the set has {expected:,}"
     masked = int(index.ntotal) - len(idmap)
@@ -272,8 +270,8 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     handle = IndexHandle(index, idmap, current.params)
     rng = np.random.default_rng(req.seed + info.generation)
     query_pos, _ = _sample_positions(rng, expected, req.queries, 0)
-    _, queries = setdata.gather(parts, info.dim, query_pos, info.unit_search)
-    truth = _exact_truth(parts, info, queries, idmap, req.batch_rows)
+    _, queries = data.gather(query_pos)
+    truth = _exact_truth(data, info, queries, idmap, req.batch_rows)
     params, recall, tried = tune(handle, queries, truth, req.recall_target)
     if recall < req.recall_target <= current.recall_at_10 and ivf_of(index) is not None:
         return None, f"recall@10 fell to {recall:.3f} after catch-up; retraining"
@@ -285,12 +283,12 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     return meta, f"+{added:,} -{len(dropped):,} rows"
 
 
-def _exact_truth(parts: list[Part], info: SetMeta, queries: np.ndarray, idmap: IdMap,
+def _exact_truth(data: SetVectors, info: SetMeta, queries: np.ndarray, idmap: IdMap,
                  batch_rows: int) -> np.ndarray:
     """Exact top-10 labels of ``queries`` over the set's current rows."""
     exact = ExactTopK(queries, 10, info.metric)
     lookup = pa.array(idmap.labels)
-    for ids, vectors in setdata.iter_batches(parts, info.dim, batch_rows, info.unit_search):
+    for ids, vectors in data.iter_batches(batch_rows):
         pos = pc.index_in(ids.cast(idmap.ids.type), value_set=idmap.ids)
         labels = pc.take(lookup, pos).to_numpy(zero_copy_only=False)
         exact.add(np.asarray(labels, np.int64), vectors)

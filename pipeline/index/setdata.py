@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from pipeline import storage
 from pipeline.errors import FingerprintError, StorageError
-from pipeline.sets import SetFolder
+from pipeline.sets import SetFolder, SetMeta
 from pipeline.vectors import unit_rows
 
 
@@ -27,9 +27,59 @@ class Part:
     groups: tuple[int, ...]  # rows per row group
 
 
-def list_parts(folder: SetFolder, dim: int) -> list[Part]:
-    """The set's parts, with their row counts, checked against the set's dimension."""
-    return [open_part(url, dim) for url in folder.part_urls()]
+@dataclass(frozen=True)
+class SetVectors:
+    """Parts of a set as search reads them: ``dim``-wide float32 rows, scaled to unit length
+    where the set is searched by cosine (``unit``, from ``SetMeta.unit_search``)."""
+
+    parts: list[Part]
+    dim: int
+    unit: bool = False
+
+    @classmethod
+    def of(cls, folder: SetFolder, info: SetMeta, names: list[str] | None = None) -> SetVectors:
+        """Every part of the set (``names``: those parts alone, where they still exist),
+        checked against its ``_SET.json``."""
+        urls = (folder.part_urls() if names is None else
+                [folder.url_of(n) for n in names if storage.exists(folder.url_of(n))])
+        return cls([open_part(url, info.dim) for url in urls], info.dim, info.unit_search)
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    def iter_batches(self, batch_rows: int) -> Iterator[tuple[pa.Array, np.ndarray]]:
+        """(ids, vectors) of every row, in part order, ``batch_rows`` at a time."""
+        for part in self.parts:
+            pf = storage.parquet_file(part.url)
+            with storage.explained(part.url, "read"):
+                for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", "embedding"]):
+                    yield batch.column(0), self._vectors(batch.column(1), part.url)
+
+    def gather(self, positions: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+        """The rows at sorted global ``positions`` (over parts in order), reading only their
+        row groups."""
+        ids, vectors = [], []
+        offset = 0
+        for part in self.parts:
+            pf = None
+            for group, rows in enumerate(part.groups):
+                lo, hi = np.searchsorted(positions, [offset, offset + rows])
+                if hi > lo:
+                    pf = pf or storage.parquet_file(part.url)
+                    with storage.explained(part.url, "read"):
+                        table = pf.read_row_group(group, columns=["id", "embedding"])
+                    take = pa.array(positions[lo:hi] - offset)
+                    ids.append(table.column("id").take(take).combine_chunks())
+                    vectors.append(self._vectors(table.column("embedding").take(take), part.url))
+                offset += rows
+        if not ids:
+            return pa.array([]), np.zeros((0, self.dim), np.float32)
+        return pa.concat_arrays(ids), np.concatenate(vectors)
+
+    def _vectors(self, column: pa.Array | pa.ChunkedArray, where: str) -> np.ndarray:
+        vectors = vectors_of(column, self.dim, where)
+        return unit_rows(vectors) if self.unit else vectors
 
 
 def open_part(url: str, dim: int) -> Part:
@@ -51,50 +101,14 @@ def open_part(url: str, dim: int) -> Part:
     return Part(url=url, name=url.rsplit("/", 1)[-1], rows=meta.num_rows, groups=groups)
 
 
-def vectors_of(column: pa.Array | pa.ChunkedArray, dim: int, where: str,
-               unit: bool = False) -> np.ndarray:
-    """A float32 (rows, dim) matrix from a fixed_size_list column; ``unit``: rows scaled to
-    unit length (search by cosine, ``SetMeta.unit_search``)."""
+def vectors_of(column: pa.Array | pa.ChunkedArray, dim: int, where: str) -> np.ndarray:
+    """A float32 (rows, dim) matrix from a fixed_size_list column."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if column.null_count:
         raise StorageError(f"{where} has {column.null_count} null embeddings")
     flat = column.flatten().to_numpy(zero_copy_only=False)
-    vectors = np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32)
-    return unit_rows(vectors) if unit else vectors
-
-
-def iter_batches(parts: list[Part], dim: int, batch_rows: int,
-                 unit: bool = False) -> Iterator[tuple[pa.Array, np.ndarray]]:
-    """(ids, vectors) of every row of ``parts``, in part order, ``batch_rows`` at a time."""
-    for part in parts:
-        pf = storage.parquet_file(part.url)
-        with storage.explained(part.url, "read"):
-            for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", "embedding"]):
-                yield batch.column(0), vectors_of(batch.column(1), dim, part.url, unit)
-
-
-def gather(parts: list[Part], dim: int, positions: np.ndarray,
-           unit: bool = False) -> tuple[pa.Array, np.ndarray]:
-    """The rows at sorted global ``positions`` (over parts in order), reading only their groups."""
-    ids, vectors = [], []
-    offset = 0
-    for part in parts:
-        pf = None
-        for group, rows in enumerate(part.groups):
-            lo, hi = np.searchsorted(positions, [offset, offset + rows])
-            if hi > lo:
-                pf = pf or storage.parquet_file(part.url)
-                with storage.explained(part.url, "read"):
-                    table = pf.read_row_group(group, columns=["id", "embedding"])
-                take = pa.array(positions[lo:hi] - offset)
-                ids.append(table.column("id").take(take).combine_chunks())
-                vectors.append(vectors_of(table.column("embedding").take(take), dim, part.url,
-                                          unit))
-            offset += rows
-    if not ids:
-        return pa.array([]), np.zeros((0, dim), np.float32)
-    return pa.concat_arrays(ids), np.concatenate(vectors)
+    return np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32)
 
 
 def read_ids(url: str) -> pa.Array:
