@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _st_models import VARIANTS, real_texts, save_variant
+from _st_models import VARIANTS, cosines, real_texts, save_variant
 
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
@@ -23,9 +23,7 @@ POOLERS = [PoolerSpec(name="mean"), PoolerSpec(name="cls"), PoolerSpec(name="max
 
 
 def _min_cosine(x: np.ndarray, y: np.ndarray) -> float:
-    x = x / np.linalg.norm(x, axis=1, keepdims=True)
-    y = y / np.linalg.norm(y, axis=1, keepdims=True)
-    return float((x * y).sum(axis=1).min())
+    return float(cosines(x, y).min())
 
 
 def _vectors(model: Path, device: str, dtype: str, texts: list[str]) -> dict[str, np.ndarray]:

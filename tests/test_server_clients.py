@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 from _search_sets import TEXTS, embedded_set
 from _serve import cli_env, serving
+from _st_models import cosines
 
 from pipeline.index import IndexRequest, index_set
 
@@ -32,12 +33,6 @@ def stored(out, name: str) -> np.ndarray:
     frame = pl.read_parquet(out / "sets" / name / "part-00000.parquet").sort("id")
     assert frame["id"].to_list() == list(range(100, 100 + len(TEXTS)))
     return np.asarray(frame["embedding"].to_list(), dtype=np.float32)
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a / np.linalg.norm(a, axis=1, keepdims=True)
-    b = b / np.linalg.norm(b, axis=1, keepdims=True)
-    return (a * b).sum(axis=1)
 
 
 def auth(key: str = KEY) -> dict[str, str]:

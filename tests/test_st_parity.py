@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _st_models import VARIANTS, Variant, real_texts, save_variant
+from _st_models import VARIANTS, Variant, cosines, real_texts, save_variant
 from conftest import build_tiny_bert
 
 from pipeline.config import EncoderConfig, PoolerSpec
@@ -33,10 +33,6 @@ def st_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("st-models")
     base = build_tiny_bert(root / "base")
     return {v.name: save_variant(base, root / v.name, v) for v in VARIANTS}
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def assert_same(ours: np.ndarray, theirs: np.ndarray, what: str) -> float:
