@@ -112,6 +112,7 @@ class Encoder:
         self.min_fill = MIN_FILL.get(self.device.type, MIN_FILL["cpu"])
         self.model.to(self.device)
         self.fp32_kernel = self._fp32_kernel()
+        self.fused = self._fuse(need_attention)
         head = loader.load_head(self.files).to(self.device)
         self.parts = ModelParts(str(self.folder), self.files.pooling, head,
                                 self.files.sentence_transformers)
@@ -129,7 +130,8 @@ class Encoder:
         self.query_prompt = self._prompt(prompts.query(cfg.query_prompt_name))
         self.dtype, self.compiled = "fp32", False  # the dtype check runs the eager model
         self.files_hash = self.files.model_hash()  # walks and stats the model's files: once
-        model_key = f"{self.files_hash}-{self.model.config._attn_implementation}-{self.fp32_kernel}"
+        runner = "fused" if self.fused else self.model.config._attn_implementation
+        model_key = f"{self.files_hash}-{runner}-{self.fp32_kernel}"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)
         self.model_hash = quantized_hash(self.files_hash, self.dtype)
         if self.dtype == INT8:
@@ -154,6 +156,18 @@ class Encoder:
             return "default"
         use_onednn_linear(self.model)
         return "onednn"
+
+    def _fuse(self, need_attention: bool) -> bool:
+        """Run the transformer as a ``FusedBert`` where that computes the same (a CPU, a
+        BERT-family model, no attention weights wanted, neither int8 nor compile)."""
+        from pipeline.fused_bert import FusedBert, fusable
+
+        if need_attention or self.cfg.dtype == INT8 or self.cfg.compile:
+            return False
+        if not fusable(self.model, self.device):
+            return False
+        self.model = FusedBert(self.model, onednn_fp32=self.fp32_kernel == "onednn")
+        return True
 
     def _max_length(self, model_limit) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512

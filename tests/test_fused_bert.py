@@ -1,0 +1,126 @@
+"""The fused CPU forward (pipeline.fused_bert) computes what transformers' own forward does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+
+from pipeline import fused_bert
+from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.embedder import Embedder
+from pipeline.fused_bert import FusedBert, attend, fusable
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="this torch has no oneDNN")
+CPU = torch.device("cpu")
+TEXTS = ["a tiny text", "another one, a little longer than the first", "x " * 60, "ok"]
+
+
+def tiny(kind: str = "bert", **overrides) -> torch.nn.Module:
+    shape = dict(vocab_size=120, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                 intermediate_size=96, max_position_embeddings=80) | overrides
+    torch.manual_seed(0)
+    if kind == "roberta":
+        return RobertaModel(RobertaConfig(pad_token_id=1, **shape)).eval()
+    return BertModel(BertConfig(**shape)).eval()
+
+
+def batch(rows: int = 5, width: int = 23) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids with rows of different real lengths (the first row full), right-padded."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 120, (rows, width), generator=generator)
+    lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+    lengths[0] = width
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def real(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return states[mask.bool()]
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+@pytest.mark.parametrize("onednn_fp32", [True, False])
+def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32: bool) -> None:
+    model = tiny(kind)
+    ids, mask = batch()
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        got = FusedBert(model, onednn_fp32)(ids, mask, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == 4
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=2e-5, rtol=1e-4)
+
+
+def test_the_tanh_gelu_is_fused_as_the_tanh_gelu() -> None:
+    model = tiny(hidden_act="gelu_pytorch_tanh")
+    ids, mask = batch()
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = FusedBert(model, onednn_fp32=True)(ids, mask).last_hidden_state
+    torch.testing.assert_close(real(got, mask), real(want, mask), atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_under_autocast_stays_close_to_the_models_own_bf16() -> None:
+    model = tiny()
+    ids, mask = batch(rows=8, width=40)
+    fused = FusedBert(model, onednn_fp32=True)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = fused(ids, mask).last_hidden_state
+    assert got.dtype == torch.float32  # the residual stream stays fp32, as under autocast
+    cosine = F.cosine_similarity(real(got, mask), real(want.float(), mask), dim=-1)
+    assert float(cosine.min()) > 0.999
+
+
+def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(7, 3, 19, 16) for _ in range(3))
+    _, mask = batch(rows=7, width=19)
+    bias = torch.zeros(mask.shape).masked_fill_(mask == 0, float("-inf"))[:, None, None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+    whole = attend(q, k, v, bias)
+    monkeypatch.setattr(fused_bert, "SCORE_BLOCK_BYTES", 4 * 3 * 19 * 19 * 2)  # 2 rows a block
+    torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(q, k, v, bias), whole, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("kind", "overrides", "expected"), [
+    ("bert", {}, True),
+    ("roberta", {}, True),
+    ("bert", {"hidden_act": "relu"}, False),
+    ("bert", {"position_embedding_type": "relative_key"}, False),
+    ("bert", {"is_decoder": True}, False),
+])
+def test_only_models_it_computes_exactly_are_fused(kind: str, overrides: dict,
+                                                   expected: bool) -> None:
+    assert fusable(tiny(kind, **overrides), CPU) is expected
+    assert not fusable(tiny(kind), torch.device("meta"))  # a GPU keeps the model's own forward
+
+
+def test_the_fused_model_refuses_to_invent_attention_weights() -> None:
+    ids, mask = batch()
+    with pytest.raises(ValueError, match="no attention weights"):
+        FusedBert(tiny(), onednn_fp32=True)(ids, mask, output_attentions=True)
+
+
+def test_the_encoder_fuses_where_it_may_and_the_vectors_stay_the_set(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def embedder(pooler: str, fuse: bool = True) -> Embedder:
+        if not fuse:
+            monkeypatch.setattr(fused_bert, "fusable", lambda model, device: False)
+        cfg = EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu")
+        return Embedder(cfg, [PoolerSpec(name=pooler)])
+
+    fused, attention = embedder("mean"), embedder("attention")
+    assert fused.encoder.fused and isinstance(fused.encoder.model, FusedBert)
+    assert not attention.encoder.fused  # its pooler reads the model's attention weights
+    plain = embedder("mean", fuse=False)
+    assert not plain.encoder.fused
+    np.testing.assert_allclose(fused.encode(TEXTS), plain.encode(TEXTS), atol=1e-5)
+    assert fused.fingerprint("mean") == plain.fingerprint("mean")
