@@ -183,9 +183,8 @@ def _claim(job: EmbedJob, id_type: str, load_embedder: Callable[[], Any]
     """Each set's metadata, claimed for this job: from ``_SET.json`` alone when every set
     was made by this very job before (same keys), else checked against the loaded model."""
     keys = job_keys(job)
-    stored = _stored_meta(job, keys)
-    if all(m is not None and m.job_key == keys[n] and m.id_type == id_type
-           for n, m in stored.items()):
+    stored = _made_by(job, keys, id_type)
+    if stored is not None:
         return stored
     embedder = load_embedder()
     return {
@@ -197,12 +196,18 @@ def _claim(job: EmbedJob, id_type: str, load_embedder: Callable[[], Any]
 def needs_model(job: EmbedJob) -> bool:
     """Whether planning ``job`` will load the model: some set is new, or was made by another
     job (``_claim`` then checks fingerprints against the loaded model)."""
-    keys = job_keys(job)
-    return any(m is None or m.job_key != keys[n] for n, m in _stored_meta(job, keys).items())
+    return _made_by(job, job_keys(job)) is None
 
 
-def _stored_meta(job: EmbedJob, keys: dict[str, str]) -> dict[str, SetMeta | None]:
-    return {name: SetFolder(job.out, name).read_meta() for name in keys}
+def _made_by(job: EmbedJob, keys: dict[str, str], id_type: str | None = None
+             ) -> dict[str, SetMeta] | None:
+    """Every set's stored metadata where each was made by a job of these ``keys`` (and ids
+    of ``id_type``, when known), else None."""
+    stored = {name: SetFolder(job.out, name).read_meta() for name in keys}
+    if all(m is not None and m.job_key == keys[n] and id_type in (None, m.id_type)
+           for n, m in stored.items()):
+        return stored
+    return None
 
 
 def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:
