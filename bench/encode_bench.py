@@ -10,6 +10,8 @@ Contenders (all on this machine, model loaded before timing):
 
 * (a) ``SentenceTransformer(packaged MiniLM).encode(texts)`` with default settings;
 * (b) ``Embedder`` with default settings (``dtype auto``, pooler ``mean``);
+* (b0, ``--unfused``) the same Embedder running transformers' own forward instead of the fused
+  CPU one (``pipeline.fused_bert``), for the fused forward's gain in the same run;
 * (c) ``embed_flow`` (what ``embedpipe embed CORPUS OUT`` runs) on the sample written to a
   Parquet file in a temp folder; timed warm (the Prefect API already started by a tiny run
   first, the model in the worker cache), and ``--cli`` adds the cold command in a subprocess
@@ -56,6 +58,7 @@ import torch  # noqa: E402
 
 import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
 from bench.peak import matmul_peak  # noqa: E402
+from bench.speed import cpu_flags  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder, get_embedder  # noqa: E402
@@ -223,6 +226,7 @@ def bench(args: argparse.Namespace) -> dict:
     report: dict = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
+            "cpu_flags": cpu_flags(),
             "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
@@ -243,7 +247,9 @@ def bench(args: argparse.Namespace) -> dict:
     peak = matmul_peak(dtype, config.hidden_size, config.intermediate_size)
     report["encoder"] = info.__dict__ | {"token_budget": embedder.encoder.token_budget,
                                          "max_batch_rows": embedder.encoder.max_batch_rows,
-                                         "fp32_kernel": embedder.encoder.fp32_kernel}
+                                         "fp32_kernel": embedder.encoder.fp32_kernel,
+                                         "fused": embedder.encoder.fused}
+    unfused = unfused_embedder(info.dtype) if args.unfused else None
     report["matmul_peak_gflops"] = peak
     # warm both
     st.encode(texts["short"][:64])
@@ -257,7 +263,7 @@ def bench(args: argparse.Namespace) -> dict:
             lengths, embedder.encoder.token_budget, embedder.encoder.max_batch_rows,
             embedder.encoder.min_fill,
         )
-        best_a, best_b = float("inf"), float("inf")
+        best_a, best_b, best_b0 = float("inf"), float("inf"), float("inf")
         rss = {"a": 0.0, "b": 0.0}
         for _ in range(args.rounds):
             with PeakRss() as watch:
@@ -266,6 +272,9 @@ def bench(args: argparse.Namespace) -> dict:
             with PeakRss() as watch:
                 vec_b, sec = timed(lambda s=sample: embedder.encode(s))
             best_b, rss["b"] = min(best_b, sec), max(rss["b"], watch.mib)
+            if unfused is not None:
+                vec_b0, sec = timed(lambda s=sample: unfused.encode(s))
+                best_b0 = min(best_b0, sec)
         ref = reference.encode(sample) if reference is not None else vec_b
         row = {
             "docs": len(sample),
@@ -290,6 +299,10 @@ def bench(args: argparse.Namespace) -> dict:
             "b_min_cos_st": min_cosine(vec_b, np.asarray(vec_a)),
             "specials": specials,
         }
+        if unfused is not None:
+            row |= {"b0_docs_s": len(sample) / best_b0, "b_over_b0": best_b0 / best_b,
+                    "b0_of_peak": flops / best_b0 / 1e9 / peak,
+                    "b_min_cos_b0": min_cosine(vec_b, vec_b0)}
         report["sets"][name] = row
     report["b_model_load_peak_rss_mib"] = rss_b_load.mib
     if not args.no_flow:
@@ -331,16 +344,34 @@ def bench_flow(args: argparse.Namespace, texts: dict, embedder: Embedder, report
     return out
 
 
+def unfused_embedder(dtype: str) -> Embedder:
+    """An Embedder like (b) whose encoder runs transformers' forward, not the fused one."""
+    from pipeline import fused_bert
+
+    fusable = fused_bert.fusable
+    fused_bert.fusable = lambda model, device: False
+    try:
+        return Embedder(EncoderConfig(dtype=dtype), [PoolerSpec(name="mean")])
+    finally:
+        fused_bert.fusable = fusable
+
+
 def table(report: dict) -> str:
     lines = [
         f"encoder: {report['encoder']['model']} dtype={report['encoder']['dtype']} "
         f"device={report['encoder']['device']} threads={report['machine']['torch_threads']} "
-        f"matmul peak {report['matmul_peak_gflops']:.0f} GFLOP/s",
+        f"fused={report['encoder']['fused']} matmul peak {report['matmul_peak_gflops']:.0f} "
+        f"GFLOP/s, CPU flags {report['machine']['cpu_flags']}",
         f"{'set':6} {'docs':>6} {'tok/doc':>7} {'a docs/s':>9} {'b docs/s':>9} {'b/a':>5} "
         f"{'a tok/s':>8} {'b tok/s':>8} {'pad a':>6} {'pad b':>6} {'b GF/s':>7} {'%peak':>6} "
         f"{'cos fp32':>9} {'cos ST':>9} {'RSS a':>6} {'RSS b':>6}",
     ]
     for name, r in report["sets"].items():
+        if "b0_docs_s" in r:
+            lines.append(
+                f"{name:6} transformers' forward (b0) {r['b0_docs_s']:.0f} docs/s "
+                f"({100 * r['b0_of_peak']:.0f}% of peak); fused (b) {r['b_over_b0']:.2f}x, "
+                f"min cosine b~b0 {r['b_min_cos_b0']:.6f}")
         lines.append(
             f"{name:6} {r['docs']:>6} {r['mean_tokens']:>7.1f} {r['a_docs_s']:>9.0f} "
             f"{r['b_docs_s']:>9.0f} {r['b_over_a']:>5.2f} {r['a_tokens_s']:>8.0f} "
@@ -385,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--no-flow", action="store_true", help="skip (c), the embed flow")
     p.add_argument("--cli", action="store_true", help="also time the cold `embedpipe embed`")
+    p.add_argument("--unfused", action="store_true",
+                   help="also time (b0): the Embedder with transformers' own forward")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     write_report(bench(args), args.out, "encode", table)
