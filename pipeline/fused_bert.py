@@ -101,7 +101,10 @@ class FusedBert(torch.nn.Module):
         with torch.autocast("cpu", enabled=False):
             x = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids).float()
             bias = torch.zeros(attention_mask.shape, dtype=torch.float32)
-            bias = bias.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]
+            # the most negative float, not -inf: a row with no real token gets a uniform
+            # softmax (as in transformers), not NaNs
+            low = torch.finfo(torch.float32).min
+            bias = bias.masked_fill_(attention_mask == 0, low)[:, None, None, :]
             states = [x]
             for layer in self.layers:
                 x = layer(x, bias, dtype)

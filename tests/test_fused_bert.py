@@ -124,3 +124,15 @@ def test_the_encoder_fuses_where_it_may_and_the_vectors_stay_the_set(
     assert not plain.encoder.fused
     np.testing.assert_allclose(fused.encode(TEXTS), plain.encode(TEXTS), atol=1e-5)
     assert fused.fingerprint("mean") == plain.fingerprint("mean")
+
+
+def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
+    model = tiny()
+    ids, mask = batch(rows=3, width=9)
+    mask[1] = 0  # e.g. an empty text under a tokenizer that adds no special tokens
+    with torch.inference_mode():
+        got = FusedBert(model, onednn_fp32=True)(ids, mask).last_hidden_state
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[0][mask[0].bool()], want[0][mask[0].bool()],
+                               atol=2e-5, rtol=1e-4)
