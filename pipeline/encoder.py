@@ -145,29 +145,34 @@ class Encoder:
             self.model = compile_model(self.model)
 
     def _fp32_kernel(self) -> str:
-        """``onednn`` where this CPU runs fp32 products faster through oneDNN (then the Linear
-        layers call it, see ``pipeline.onednn``), else ``default``. Not for int8 (its ONNX export
-        traces the torch model) nor compile (Inductor picks its own kernels)."""
+        """``onednn`` where this CPU runs fp32 products faster through oneDNN (see
+        ``pipeline.onednn``), else ``default``. Not where the torch model is handed on (int8's
+        ONNX export traces it, Inductor picks its own kernels)."""
         from pipeline.hardware import cpu_fp32_onednn_is_faster
-        from pipeline.onednn import use_onednn_linear
 
-        if (self.device.type != "cpu" or self.cfg.dtype == INT8 or self.cfg.compile
-                or not cpu_fp32_onednn_is_faster()):
+        if self.device.type != "cpu" or self._handed_on or not cpu_fp32_onednn_is_faster():
             return "default"
-        use_onednn_linear(self.model)
         return "onednn"
 
     def _fuse(self, need_attention: bool) -> bool:
         """Run the transformer as a ``FusedBert`` where that computes the same (a CPU, a
-        BERT-family model, no attention weights wanted, neither int8 nor compile)."""
+        BERT-family model, no attention weights wanted, the model not handed on); else its own
+        forward, with its fp32 Linear layers through oneDNN where that kernel won."""
         from pipeline.fused_bert import FusedBert, fusable
+        from pipeline.onednn import use_onednn_linear
 
-        if need_attention or self.cfg.dtype == INT8 or self.cfg.compile:
+        onednn = self.fp32_kernel == "onednn"
+        if need_attention or self._handed_on or not fusable(self.model, self.device):
+            if onednn:
+                use_onednn_linear(self.model)
             return False
-        if not fusable(self.model, self.device):
-            return False
-        self.model = FusedBert(self.model, onednn_fp32=self.fp32_kernel == "onednn")
+        self.model = FusedBert(self.model, onednn_fp32=onednn)
         return True
+
+    @property
+    def _handed_on(self) -> bool:
+        """Whether the torch model goes on to int8's ONNX export or to ``torch.compile``."""
+        return self.cfg.dtype == INT8 or self.cfg.compile
 
     def _max_length(self, model_limit) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512

@@ -60,16 +60,22 @@ def test_a_onednn_linear_is_the_linear_in_fp32_and_exactly_it_otherwise() -> Non
 
 def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def embedder(faster: bool, **encoder) -> Embedder:
+    def embedder(faster: bool, pooler: str = "mean") -> Embedder:
         monkeypatch.setattr(hardware, "cpu_fp32_onednn_is_faster", lambda: faster)
-        cfg = EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu", **encoder)
-        return Embedder(cfg, [PoolerSpec(name="mean")])
+        cfg = EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu")
+        return Embedder(cfg, [PoolerSpec(name=pooler)])
 
     default, fast = embedder(False), embedder(True)
     assert (default.encoder.fp32_kernel, fast.encoder.fp32_kernel) == ("default", "onednn")
     assert not any(isinstance(m, OneDnnLinear) for m in default.encoder.model.modules())
     np.testing.assert_allclose(fast.encode(TEXTS), default.encode(TEXTS), atol=1e-6)
     assert fast.fingerprint("mean") == default.fingerprint("mean")  # the same set
+    # a model that keeps its own forward (here: its attention weights are pooled) gets its fp32
+    # Linear layers through oneDNN; the fused forward calls the same kernel itself
+    own = embedder(True, pooler="attention")
+    assert not own.encoder.fused and own.encoder.fp32_kernel == "onednn"
+    assert any(isinstance(m, OneDnnLinear) for m in own.encoder.model.modules())
+    assert not any(isinstance(m, OneDnnLinear) for m in fast.encoder.model.modules())
 
 
 @pytest.mark.parametrize(("dies_after", "expected"), [
