@@ -37,6 +37,7 @@ IDLE_S = 1800  # the server exits after this long without a run
 IDLE_ENV = "EMBEDPIPE_PREFECT_IDLE_S"
 START_TIMEOUT_S = 180  # a hang guard: a busy machine migrates the database slowly
 RECORD = "prefect-server.json"
+OMP_SPINS = 10_000  # libgomp's spin count between kernels, for the CLI's processes
 FLOW_COMMANDS = ("embed", "backfill", "index", "demo")  # CLI commands that run Prefect flows
 
 
@@ -47,11 +48,16 @@ class PrefectServerError(EmbedpipeError):
 def prepare(command: str) -> None:
     """Everything the CLI sets up once before running ``command``.
 
-    OpenMP threads that spin while waiting (the default) make small kernels many times slower
-    when other processes share the cores; passive waiting costs little on big matmuls.
-    Set before torch loads OpenMP; a user's own ``OMP_WAIT_POLICY`` wins.
+    torch's OpenMP threads (libgomp) spin between kernels before they sleep: by default for
+    ~300,000 iterations (milliseconds), which made small kernels many times slower when another
+    process shared the cores; never spinning (``OMP_WAIT_POLICY=PASSIVE``) made MiniLM's
+    forward 10-30% slower, since each of its hundreds of short kernels per batch then waits for
+    a woken thread. 10,000 spins (~0.1 ms) kept the speed of spinning (see
+    ``pipeline.torch_thread``). Set before torch loads OpenMP; a user's own
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(OMP_SPINS))
     if command in FLOW_COMMANDS:
         os.environ.setdefault(MODE_ENV, "local")  # started by use_local_server, when needed
 
@@ -106,7 +112,10 @@ def local_api() -> Iterator[str | None]:
     # this context: they read Prefect's process-global settings, replaced here the way
     # Prefect's own test harness does it (a private helper: without it, nothing is replaced)
     global_settings = getattr(prefect.context, "_temporary_global_settings_context", None)
-    with temporary_settings(updates={PREFECT_API_URL: url}), (
+    # no flow-run heartbeats: they feed the server's crashed-run detection, a service this
+    # server does not run, and stopping their thread held every run's end for up to 1 s
+    updates = {PREFECT_API_URL: url, "flows.heartbeat_frequency": None}
+    with temporary_settings(updates=updates), (
         global_settings(prefect.context.get_settings_context())
         if global_settings else contextlib.nullcontext()
     ):

@@ -31,6 +31,7 @@ from pipeline.errors import ConfigError
 from pipeline.poolers import Pooler, build_pooler
 from pipeline.stages import prefetch
 from pipeline.token_rows import TokenRows
+from pipeline.torch_thread import on_torch_thread
 from pipeline.vectors import unit_rows
 from pipeline.windows import Pieces, truncate, windows
 
@@ -118,7 +119,7 @@ class Embedder:
         rows = len(tokens.ids)
         lengths = tokens.ids.lengths - tokens.lead  # the text's own tokens, after the prompt's
         pieces = self.plan(tokens)
-        raw = self._forward_pieces(tokens, pieces)
+        raw = on_torch_thread(self._forward_pieces, tokens, pieces)
         vectors = {name: self._finish(name, raw[name], pieces, rows) for name in raw}
         stats = {
             "rows": rows,
@@ -234,8 +235,7 @@ def _needs_attention(spec: PoolerSpec) -> bool:
     return bool(cls and cls.needs_attention)
 
 
-_CACHE: dict[str, Embedder] = {}
-_LOCK = threading.Lock()
+_CACHE: dict[str, Embedder] = {}  # read and written on the torch thread only
 
 
 def preload(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> threading.Thread:
@@ -255,18 +255,22 @@ def preload(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> threading.
 
 
 def get_embedder(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> Embedder:
-    """The process-wide Embedder for this config: the model is loaded once per worker, and
-    again (replacing the old one) when the model's files changed since (a long-lived worker
-    across nightly runs; the files' hash is stat-cached, see ``pipeline.models.hashing``)."""
+    """The process-wide Embedder for this config: the model is loaded once per worker (on the
+    process's torch thread, see ``pipeline.torch_thread``), and again (replacing the old one)
+    when the model's files changed since (a long-lived worker across nightly runs; the files'
+    hash is stat-cached, see ``pipeline.models.hashing``)."""
+    return on_torch_thread(_cached_embedder, encoder, poolers)
+
+
+def _cached_embedder(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> Embedder:
     from pipeline.models.hashing import folder_hash
 
     key = json.dumps(
         [encoder.model_dump(mode="json"), [p.model_dump(mode="json") for p in poolers]],
         sort_keys=True,
     )
-    with _LOCK:
-        cached = _CACHE.get(key)
-        if cached is None or folder_hash(encoder.model) != cached.encoder.files_hash:
-            torch.set_grad_enabled(False)
-            _CACHE[key] = Embedder(encoder, poolers)
-        return _CACHE[key]
+    cached = _CACHE.get(key)
+    if cached is None or folder_hash(encoder.model) != cached.encoder.files_hash:
+        torch.set_grad_enabled(False)
+        _CACHE[key] = Embedder(encoder, poolers)
+    return _CACHE[key]

@@ -248,8 +248,9 @@ class _Model:
         with self._lock:  # the reader thread and the encoder ask for it
             if self._embedder is None:
                 from pipeline.embedder import get_embedder  # torch only where work happens
+                from pipeline.torch_thread import on_torch_thread
 
-                limit_threads(self.job.workers)
+                on_torch_thread(limit_threads, self.job.workers)  # torch's count is per thread
                 embedder = get_embedder(self.job.encoder, self.job.poolers)
                 _check_fingerprints(embedder, self.sets)
                 self._embedder = embedder
