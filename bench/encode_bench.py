@@ -205,7 +205,7 @@ def run_cold(texts: list[str], workdir: Path, tag: str) -> tuple[float, float]:
     if tag == "st_script":
         cmd = [sys.executable, "-c", ST_SCRIPT, str(corpus), str(folder / "out.parquet")]
     else:
-        script = "from flows.cli import main; raise SystemExit(main())"
+        script = "from flows.cli import run; run()"
         cmd = [sys.executable, "-c", script, "embed", str(corpus), str(folder / "out")]
     with PeakRss(children=True) as watch:
         start = time.perf_counter()

@@ -7,9 +7,13 @@ sub-commands with ``set_defaults(func=...)``; ``func(args) -> int`` is the exit 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib
+import logging
 import os
 import sys
+from typing import NoReturn
 
 from flows.runtime import prepare
 from pipeline.errors import EmbedpipeError
@@ -43,6 +47,10 @@ def quiet_prefect() -> None:
 
     On a Prefect server (``PREFECT_API_URL`` set) only the terminal is quieted: the runs'
     INFO logs still reach the server's UI."""
+    # "Still processing items: N items remaining..." when a run's last events are still
+    # queued at exit: they are sent all the same (see flows.runtime._drain)
+    for worker in ("EventsWorker", "APILogWorker"):
+        logging.getLogger(worker).setLevel(logging.ERROR)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     if os.environ.get("PREFECT_API_URL"):
@@ -51,6 +59,32 @@ def quiet_prefect() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     for name in ("FLOW_RUNS", "TASK_RUNS"):
         os.environ.setdefault(f"PREFECT_LOGGING_LOGGERS_PREFECT_{name}_LEVEL", "CRITICAL")
+
+
+def run() -> NoReturn:
+    """The ``embedpipe`` command (console script and ``python -m flows.cli``): ``main``, then
+    the interpreter's usual shutdown (non-daemon threads joined, every exit hook run: queued
+    Prefect logs and events sent) but not its teardown of modules and objects, which took
+    about 1 s after each run once torch, transformers and a model were loaded. A ``main``
+    that raised exits the usual way, traceback and all."""
+    code = main()
+    _exit_code.append(code)
+    sys.exit(code)
+
+
+_exit_code: list[int] = []  # set by run() once main() returned
+
+
+@atexit.register  # registered when the CLI is first imported: it runs after later hooks
+def _skip_teardown() -> None:
+    if not _exit_code:
+        return  # main() raised, or the CLI was called in-process (tests): the usual exit
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        # a closed pipe (`| head`): nothing left to say there
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(_exit_code[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,4 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
