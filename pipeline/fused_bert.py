@@ -11,8 +11,10 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
   the query weights once), one cast of the residual stream per product;
 * GELU in the product's epilogue (oneDNN's fused ``linear_pointwise``; fp32 through oneDNN only
   where ``pipeline.onednn`` measured it faster than MKL, else ``F.linear`` then ``F.gelu``);
-* attention as two batched products with an fp32 softmax between them, over blocks of rows whose
-  score tensor stays within ``SCORE_BLOCK_BYTES`` (cache-sized).
+* attention as two batched products around a softmax (the padding mask added inside the first
+  product, none for a batch without padding), over blocks of rows whose score tensor stays
+  within ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a width and dtype where torch's
+  kernel is fast (see ``attend``).
 
 The residual stream, LayerNorms and returned states stay fp32, as under autocast. The weights
 are transformers' own (same ``state_dict`` values; only query/key/value are concatenated), so
@@ -33,7 +35,11 @@ from transformers.modeling_outputs import BaseModelOutput
 
 FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's algorithm
-SCORE_BLOCK_BYTES = 4 << 20  # fp32 attention scores per block of rows
+SCORE_BLOCK_BYTES = 8 << 20  # attention scores per block of rows
+# torch's CPU softmax over the last dim, ns per element on an AVX512 VM: fp32 rows of < 16
+# ~6 (scalar code), of >= 16 0.3-0.7; bf16 rows of < 32 2-4, 32-63 0.4-1.6, >= 64 ~0.35
+MIN_KEYS = 16  # narrower attention rows get masked keys appended
+BF16_SOFTMAX_KEYS = 64  # narrower bf16 rows take their softmax in fp32
 
 
 def fusable(model: torch.nn.Module, device: torch.device) -> bool:
@@ -63,7 +69,7 @@ class FusedLayer(torch.nn.Module):
         rows, width, hidden = x.shape
         qkv = self._linear(x.to(dtype), self.qkv, dtype)
         q, k, v = qkv.view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        context = attend(q, k, v, bias).transpose(1, 2).reshape(rows, width, hidden)
+        context = attend(q, k, v, bias)
         x = self.norm1(self._linear(context, self.out_proj, dtype).float() + x)
         inner = self._linear(x.to(dtype), self.up, dtype, activation=True)
         return self.norm2(self._linear(inner, self.down, dtype).float() + x)
@@ -100,11 +106,7 @@ class FusedBert(torch.nn.Module):
                  else torch.float32)
         with torch.autocast("cpu", enabled=False):
             x = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids).float()
-            bias = torch.zeros(attention_mask.shape, dtype=torch.float32)
-            # the most negative float, not -inf: a row with no real token gets a uniform
-            # softmax (as in transformers), not NaNs
-            low = torch.finfo(torch.float32).min
-            bias = bias.masked_fill_(attention_mask == 0, low)[:, None, None, :]
+            bias = _mask_bias(attention_mask, dtype)
             states = [x]
             for layer in self.layers:
                 x = layer(x, bias, dtype)
@@ -113,17 +115,59 @@ class FusedBert(torch.nn.Module):
                                hidden_states=tuple(states) if output_hidden_states else None)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled), in blocks
-    of rows whose fp32 scores fit ``SCORE_BLOCK_BYTES``."""
-    rows, heads, width, _ = q.shape
-    block = max(1, SCORE_BLOCK_BYTES // (4 * heads * width * width))
-    out = []
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+           ) -> torch.Tensor:
+    """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
+    [rows, 1, 1, tokens] in q's dtype, None where no token is masked) as [rows, tokens, heads x
+    head], in blocks of rows whose scores fit ``SCORE_BLOCK_BYTES``.
+
+    The scores come out of the product rounded to q's dtype; the softmax then runs where
+    torch's CPU kernel is fast for the row's width (it computes in fp32 inside either way):
+    rows narrower than ``MIN_KEYS`` run scalar code, so they get masked keys appended, and bf16
+    rows narrower than ``BF16_SOFTMAX_KEYS`` are faster cast to fp32 and back."""
+    rows, heads, width, dim = q.shape
+    keys = max(width, MIN_KEYS)
+    if keys > width:
+        k, v, bias = _pad_keys(k, v, bias, keys)
+    upcast = q.dtype != torch.float32 and keys < BF16_SOFTMAX_KEYS
+    block = max(1, SCORE_BLOCK_BYTES // (q.element_size() * heads * width * keys))
+    context = torch.empty((rows, width, heads, dim), dtype=q.dtype)
     for start in range(0, rows, block):
         part = slice(start, start + block)
-        scores = torch.matmul(q[part], k[part].transpose(-1, -2)).float().add_(bias[part])
-        out.append(torch.matmul(scores.softmax(-1).to(v.dtype), v[part]))
-    return out[0] if len(out) == 1 else torch.cat(out)
+        n = len(range(rows)[part])
+        qs = q[part].reshape(n * heads, width, dim)
+        ks, vs = (t[part].reshape(n * heads, keys, dim) for t in (k, v))
+        if bias is None:
+            scores = torch.bmm(qs, ks.transpose(1, 2))
+        else:
+            full = bias[part].expand(n, heads, width, keys).reshape(n * heads, width, keys)
+            scores = torch.baddbmm(full, qs, ks.transpose(1, 2))
+        weights = scores.float().softmax(-1).to(q.dtype) if upcast else scores.softmax(-1)
+        context[part] = torch.bmm(weights, vs).view(n, heads, width, dim).transpose(1, 2)
+    return context.view(rows, width, heads * dim)
+
+
+def _pad_keys(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, keys: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k and v with zero keys appended up to ``keys``, and a bias that masks them."""
+    rows, width = k.shape[0], k.shape[2]
+    k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (k, v))
+    padded = torch.zeros((rows, 1, 1, keys), dtype=k.dtype)
+    padded[..., width:] = torch.finfo(k.dtype).min
+    if bias is not None:
+        padded[..., :width] = bias
+    return k, v, padded
+
+
+def _mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """[rows, 1, 1, tokens]: 0 at real tokens, the most negative ``dtype`` value at padding
+    (not -inf: a row with no real token gets a uniform softmax, as in transformers, not NaNs);
+    None when no token is padding (a batch of texts cut at max_length)."""
+    padding = mask == 0
+    if not padding.any():
+        return None
+    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(padding, torch.finfo(dtype).min)
+    return bias[:, None, None, :]
 
 
 def _concat(scaled: list[tuple[torch.nn.Linear, float]]) -> torch.nn.Linear:

@@ -78,16 +78,41 @@ def test_bf16_under_autocast_stays_close_to_the_models_own_bf16() -> None:
     assert float(cosine.min()) > 0.999
 
 
-def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("width", [5, 19])  # 5: masked keys appended (MIN_KEYS)
+def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
     torch.manual_seed(0)
-    q, k, v = (torch.randn(7, 3, 19, 16) for _ in range(3))
+    q, k, v = (torch.randn(7, 3, width, 16) for _ in range(3))
+    _, mask = batch(rows=7, width=width)
+    bias = fused_bert._mask_bias(mask, torch.float32)
+    for masked in (bias, None):  # a batch with padding, and one without
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=masked, scale=1.0)
+        want = want.transpose(1, 2).reshape(7, width, 3 * 16)  # [rows, tokens, heads x head]
+        whole = attend(q, k, v, masked)
+        torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
+        with monkeypatch.context() as patched:  # 2 rows a block
+            patched.setattr(fused_bert, "SCORE_BLOCK_BYTES", 4 * 3 * width * 16 * 2)
+            torch.testing.assert_close(attend(q, k, v, masked), whole, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("width", [5, 19, 70])  # padded keys; fp32 softmax; bf16 softmax
+def test_bf16_attention_is_close_to_fp32(width: int) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 3, width, 16) for _ in range(3))
+    _, mask = batch(rows=4, width=width)
+    want = attend(q, k, v, fused_bert._mask_bias(mask, torch.float32))
+    got = attend(*(t.bfloat16() for t in (q, k, v)), fused_bert._mask_bias(mask, torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+
+
+def test_the_padding_bias_is_finite_in_the_compute_dtype_and_absent_without_padding() -> None:
     _, mask = batch(rows=7, width=19)
-    bias = torch.zeros(mask.shape).masked_fill_(mask == 0, float("-inf"))[:, None, None, :]
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
-    whole = attend(q, k, v, bias)
-    monkeypatch.setattr(fused_bert, "SCORE_BLOCK_BYTES", 4 * 3 * 19 * 19 * 2)  # 2 rows a block
-    torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(attend(q, k, v, bias), whole, atol=0, rtol=0)
+    for dtype in (torch.float32, torch.bfloat16):
+        bias = fused_bert._mask_bias(mask, dtype)
+        assert bias.dtype == dtype and bias.shape == (7, 1, 1, 19)
+        assert torch.isfinite(bias).all() and (bias[:, 0, 0][mask == 0] < -1e38).all()
+        assert (bias[:, 0, 0][mask == 1] == 0).all()
+    assert fused_bert._mask_bias(torch.ones(3, 5, dtype=torch.long), torch.bfloat16) is None
 
 
 @pytest.mark.parametrize(("kind", "overrides", "expected"), [
@@ -133,6 +158,8 @@ def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
     with torch.inference_mode():
         got = FusedBert(model, onednn_fp32=True)(ids, mask).last_hidden_state
         want = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    assert torch.isfinite(got).all()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 scores and padding bias
+            got_bf16 = FusedBert(model, onednn_fp32=True)(ids, mask).last_hidden_state
+    assert torch.isfinite(got).all() and torch.isfinite(got_bf16).all()
     torch.testing.assert_close(got[0][mask[0].bool()], want[0][mask[0].bool()],
                                atol=2e-5, rtol=1e-4)
