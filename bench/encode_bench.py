@@ -12,8 +12,8 @@ Contenders (all on this machine, model loaded before timing):
 * (b) ``Embedder`` with default settings (``dtype auto``, pooler ``mean``);
 * (b0, ``--unfused``) the same Embedder running transformers' own forward instead of the fused
   CPU one (``pipeline.fused_bert``), for the fused forward's gain in the same run;
-* (c) ``embed_flow`` (what ``embedpipe embed CORPUS OUT`` runs) on the sample written to a
-  Parquet file in a temp folder; timed warm (the Prefect API already started by a tiny run
+* (c) ``embedpipe.embed`` (the Python API: the embed flow that ``embedpipe embed CORPUS OUT``
+  runs) on the sample written to a Parquet file in a temp folder; timed warm (the Prefect API already started by a tiny run
   first, the model in the worker cache), and ``--cli`` adds the cold command in a subprocess
   against a user's cold sentence-transformers script (read Parquet, encode, write Parquet).
 
@@ -173,13 +173,12 @@ def read_set(out: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_flow(texts: list[str], workdir: Path, tag: str) -> tuple[dict, float, np.ndarray]:
-    from flows.embed import embed_flow
+    import embedpipe
 
     (workdir / tag).mkdir()
     corpus = write_corpus(workdir / tag, texts)
     out = workdir / tag / "out"
-    job = {"corpus": str(corpus), "out": str(out)}
-    summary, seconds = timed(lambda: embed_flow(job))
+    summary, seconds = timed(lambda: embedpipe.embed(str(corpus), str(out)))
     _, vectors = read_set(out, summary["sets"][0])  # the model's default set
     return summary, seconds, vectors
 

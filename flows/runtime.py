@@ -100,21 +100,26 @@ def local_api() -> Iterator[str | None]:
     Prefect reads its settings once, when it is imported: an environment variable set later
     reaches only child processes (task workers), so this process gets the URL through
     Prefect's settings context as well.
+
+    Unless the API is a server the user configured, flow runs send no heartbeats: they let a
+    long-lived server mark a run that stopped without a word as crashed, a service the local
+    server does not run (and Prefect's per-process server ends with the process), and ending
+    their thread held every run's end for up to 1 s.
     """
     url = use_local_server()
-    if url is None:
-        yield None
+    if url is None and _configured_api_url():
+        yield None  # the user's server: its settings stand
         return
     import prefect.context
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    updates: dict = {"flows.heartbeat_frequency": None}
+    if url is not None:
+        updates[PREFECT_API_URL] = url
     # threads the task runners start (the process pool's message forwarder) do not inherit
     # this context: they read Prefect's process-global settings, replaced here the way
     # Prefect's own test harness does it (a private helper: without it, nothing is replaced)
     global_settings = getattr(prefect.context, "_temporary_global_settings_context", None)
-    # no flow-run heartbeats: they feed the server's crashed-run detection, a service this
-    # server does not run, and stopping their thread held every run's end for up to 1 s
-    updates = {PREFECT_API_URL: url, "flows.heartbeat_frequency": None}
     with temporary_settings(updates=updates), (
         global_settings(prefect.context.get_settings_context())
         if global_settings else contextlib.nullcontext()
@@ -122,7 +127,8 @@ def local_api() -> Iterator[str | None]:
         try:
             yield url
         finally:
-            _drain()
+            if url is not None:
+                _drain()
 
 
 def _drain() -> None:

@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 CALL = "from flows.runtime import use_local_server; print(use_local_server())"
 STOP = "from flows.runtime import stop_local_server; print(stop_local_server())"
 UP = "from flows.runtime import api_is_up; print(api_is_up())"
+HEARTBEAT = ("from flows.runtime import local_api\n"
+             "from prefect.settings import get_current_settings as settings\n"
+             "with local_api() as url: print(url, settings().flows.heartbeat_frequency)")
 IDLE_S = 20  # long enough for a run to find the server again, short enough to wait out
 
 
@@ -76,6 +79,7 @@ def test_cli_runs_share_one_server_a_rerun_loads_no_model_and_the_server_idles_o
                  "print(json.dumps([r['embedded'], r['shards_run'], 'torch' in sys.modules]))")
         assert json.loads(_call(local, rerun)) == [0, 0, False]
         assert _call(local) == url  # found healthy and reused: no second server
+        assert _call(local, HEARTBEAT) == f"{url} None"  # no service of its reads heartbeats
         assert _call(local, UP) == "True"  # a run starts at once: no model loaded ahead
         assert json.loads(record.read_text())["pid"] == pid
         runs = httpx.post(f"{url}/flow_runs/filter", json={}, timeout=30).json()
@@ -118,6 +122,9 @@ def test_configured_api_url_ephemeral_mode_or_a_python_caller_starts_nothing(
     configured = _env(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api", **local)
     assert _call(configured) == "None"
     assert _call(configured, UP) == "True"  # a configured API: a flow starts without waiting
+    assert _call(configured, HEARTBEAT) == "None 180"  # its settings stand: Prefect's default
+    # Prefect's per-process server ends with the run: no heartbeats for it either
+    assert _call(_env(tmp_path, EMBEDPIPE_PREFECT_SERVER="ephemeral"), HEARTBEAT) == "None None"
     assert _call(_env(tmp_path, EMBEDPIPE_PREFECT_SERVER="ephemeral")) == "None"
     assert _call(_env(tmp_path, EMBEDPIPE_PREFECT_SERVER="ephemeral"), UP) == "False"
     env = _env(tmp_path)
