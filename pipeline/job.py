@@ -250,7 +250,7 @@ class _Model:
                 from pipeline.embedder import get_embedder  # torch only where work happens
                 from pipeline.torch_thread import on_torch_thread
 
-                on_torch_thread(limit_threads, self.job.workers)  # torch's count is per thread
+                on_torch_thread(limit_threads, self.job)
                 embedder = get_embedder(self.job.encoder, self.job.poolers)
                 _check_fingerprints(embedder, self.sets)
                 self._embedder = embedder
@@ -396,15 +396,18 @@ def _quarantine_table(shard: Shard, chunk: Chunk) -> pa.Table:
     )
 
 
-def limit_threads(workers: int) -> None:
-    """Share the cores between a job's workers: torch threads = cores // workers.
+def limit_threads(job: EmbedJob) -> None:
+    """Share the cores between the job's worker processes: torch threads = cores // processes.
 
-    Set for every shard, not once per process: a process that runs several jobs (a test run,
-    a notebook) must not keep an earlier job's count, or the same job's vectors would differ
-    in their last bits between a fresh process and a used one."""
+    A threads runner's shards share one process, whose forward passes all run on its one torch
+    thread (``pipeline.torch_thread``), each with every core. Called on that thread (torch's
+    count is per thread), for every shard, not once per process: a process that runs several
+    jobs (a test run, a notebook) must not keep an earlier job's count, or the same job's
+    vectors would differ in their last bits between a fresh process and a used one."""
     import torch
 
-    wanted = max(1, (os.cpu_count() or 1) // max(1, workers))
+    processes = 1 if job.runner == "threads" else job.workers
+    wanted = max(1, (os.cpu_count() or 1) // max(1, processes))
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
 

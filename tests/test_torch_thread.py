@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,3 +69,26 @@ def test_a_forked_child_starts_its_own_thread(monkeypatch: pytest.MonkeyPatch) -
     forked.shutdown()
     torch_thread._pool = (pid, executor)
     assert on_torch_thread(threading.get_ident) == parent
+
+
+@pytest.mark.parametrize(("runner", "workers", "processes"), [
+    ("threads", 2, 1),  # shards in threads of one process share its torch thread
+    ("processes", 2, 2),
+    ("dask", 3, 3),
+])
+def test_torch_threads_divide_the_cores_between_processes(
+        runner: str, workers: int, processes: int, tmp_path: Path) -> None:
+    import torch
+
+    from pipeline.config import EmbedJob
+    from pipeline.job import limit_threads
+
+    job = EmbedJob(corpus=str(tmp_path / "c.parquet"), out=str(tmp_path / "out"),
+                   runner=runner, workers=workers)
+    before = on_torch_thread(torch.get_num_threads)
+    try:
+        on_torch_thread(limit_threads, job)
+        wanted = max(1, (os.cpu_count() or 1) // processes)
+        assert on_torch_thread(torch.get_num_threads) == wanted
+    finally:
+        on_torch_thread(torch.set_num_threads, before)
