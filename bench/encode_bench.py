@@ -13,9 +13,10 @@ Contenders (all on this machine, model loaded before timing):
 * (b0, ``--unfused``) the same Embedder running transformers' own forward instead of the fused
   CPU one (``pipeline.fused_bert``), for the fused forward's gain in the same run;
 * (c) ``embedpipe.embed`` (the Python API: the embed flow that ``embedpipe embed CORPUS OUT``
-  runs) on the sample written to a Parquet file in a temp folder; timed warm (the Prefect API already started by a tiny run
-  first, the model in the worker cache), and ``--cli`` adds the cold command in a subprocess
-  against a user's cold sentence-transformers script (read Parquet, encode, write Parquet).
+  runs) on the sample written to a Parquet file in a temp folder; timed warm (the Prefect API
+  already started by a tiny run first, the model in the worker cache), and ``--cli`` adds the
+  cold command in a subprocess against a user's cold sentence-transformers script (read
+  Parquet, encode, write Parquet).
 
 Reported per text set: docs/s and tokens/s (real tokens, specials included, after
 truncation), ratios b/a and c/b, padding efficiency (real / padded tokens) of (a) and (b),

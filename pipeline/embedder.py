@@ -50,6 +50,9 @@ class Embedder:
     """An encoder and its configured poolers; build once per worker (see ``get_embedder``)."""
 
     def __init__(self, encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> None:
+        on_torch_thread(self._load, encoder, poolers)  # see pipeline.torch_thread
+
+    def _load(self, encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> None:
         self.cfg = encoder
         self.specs = {spec.name: spec for spec in poolers}
         wants_attention = any(_needs_attention(spec) for spec in poolers)

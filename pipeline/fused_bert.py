@@ -66,7 +66,7 @@ class FusedLayer(torch.nn.Module):
         self.heads, self.gelu, self.onednn_fp32 = heads, gelu, onednn_fp32
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        rows, width, hidden = x.shape
+        rows, width, _ = x.shape
         qkv = self._linear(x.to(dtype), self.qkv, dtype)
         q, k, v = qkv.view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         context = attend(q, k, v, bias)

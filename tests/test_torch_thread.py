@@ -21,17 +21,17 @@ def test_load_and_forward_run_on_one_thread_whichever_thread_asks(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: dict[str, set[str]] = {"load": set(), "forward": set()}
-    init, forward = Embedder.__init__, Encoder.forward
+    load, forward = Embedder._load, Encoder.forward
 
-    def spy_init(self, *args, **kwargs):
+    def spy_load(self, *args, **kwargs):
         seen["load"].add(threading.current_thread().name)
-        init(self, *args, **kwargs)
+        load(self, *args, **kwargs)
 
     def spy_forward(self, *args, **kwargs):
         seen["forward"].add(threading.current_thread().name)
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(Embedder, "__init__", spy_init)
+    monkeypatch.setattr(Embedder, "_load", spy_load)
     monkeypatch.setattr(Encoder, "forward", spy_forward)
     config = EncoderConfig(model=str(tiny_model_dir), max_length=32)
     poolers = [PoolerSpec(name="torch-thread-test", strategy="max")]  # a config of its own
@@ -40,6 +40,7 @@ def test_load_and_forward_run_on_one_thread_whichever_thread_asks(
         embedder = pool.submit(get_embedder, config, poolers).result()
         from_threads = list(pool.map(lambda _: embedder.encode(texts), range(3)))
     from_main = embedder.encode(texts)
+    Embedder(config, poolers).encode(texts[:3])  # built directly, on this thread's request
     assert len(seen["load"]) == 1 and seen["forward"] == seen["load"]
     (name,) = seen["load"]
     assert name.startswith(torch_thread.NAME) and name != threading.current_thread().name
