@@ -96,14 +96,15 @@ class Encoder:
         if cfg.dtype == INT8:  # before the model loads
             check_int8(need_attention)
         self.folder = self.files.folder
+        self.device = choose_device(cfg.device)
         try:
+            config = loader.load_config(self.files, cfg.trust_remote_code)
+            self.fp32_kernel = self._fp32_kernel()
             self.tokenizer = loader.load_tokenizer(self.files, cfg.trust_remote_code)
-            self.model = loader.load_transformer(
-                self.files, cfg.trust_remote_code, eager=need_attention or cfg.dtype == INT8)
+            self.model, self.fused = self._load_model(config, need_attention)
         except (OSError, ValueError, KeyError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(f"cannot load an encoder from {self.folder}: {first}") from None
-        self.device = choose_device(cfg.device)
         # SDPA kernels the forward may use: "by_width" (a GPU: NARROW_SDPA for batches under
         # CUDNN_MIN_WIDTH tokens, torch's own order above), None (torch's order) or a list
         self.sdpa_backends: str | list | None = "by_width" if self.device.type == "cuda" else None
@@ -111,8 +112,6 @@ class Encoder:
             cfg, self.device, int(self.model.config.hidden_size))
         self.min_fill = MIN_FILL.get(self.device.type, MIN_FILL["cpu"])
         self.model.to(self.device)
-        self.fp32_kernel = self._fp32_kernel()
-        self.fused = self._fuse(need_attention)
         head = loader.load_head(self.files).to(self.device)
         self.parts = ModelParts(str(self.folder), self.files.pooling, head,
                                 self.files.sentence_transformers)
@@ -154,20 +153,27 @@ class Encoder:
             return "default"
         return "onednn"
 
-    def _fuse(self, need_attention: bool) -> bool:
-        """Run the transformer as a ``FusedBert`` where that computes the same (a CPU, a
-        BERT-family model, no attention weights wanted, the model not handed on); else its own
-        forward, with its fp32 Linear layers through oneDNN where that kernel won."""
+    def _load_model(self, config, need_attention: bool) -> tuple[torch.nn.Module, bool]:
+        """(model, fused): a ``FusedBert`` where it computes what the model does (a CPU, a
+        BERT-family model, no attention weights wanted, the model not handed on), its weights
+        read without transformers' model classes where the files allow; else transformers'
+        model, its fp32 Linear layers through oneDNN where that kernel won."""
         from pipeline.fused_bert import FusedBert, fusable
-        from pipeline.onednn import use_onednn_linear
+        from pipeline.models import loader
 
+        trust, eager = self.cfg.trust_remote_code, need_attention or self.cfg.dtype == INT8
         onednn = self.fp32_kernel == "onednn"
-        if need_attention or self._handed_on or not fusable(self.model, self.device):
-            if onednn:
-                use_onednn_linear(self.model)
-            return False
-        self.model = FusedBert(self.model, onednn_fp32=onednn)
-        return True
+        if not (need_attention or self._handed_on) and fusable(config, self.device):
+            state = loader.read_bert_weights(self.files, config)
+            if state is None:
+                state = loader.load_transformer(self.files, trust, eager, config).state_dict()
+            return FusedBert(config, state, onednn_fp32=onednn), True
+        model = loader.load_transformer(self.files, trust, eager, config)
+        if onednn:
+            from pipeline.onednn import use_onednn_linear
+
+            use_onednn_linear(model)
+        return model, False
 
     @property
     def _handed_on(self) -> bool:

@@ -17,9 +17,11 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
   kernel is fast (see ``attend``).
 
 The residual stream, LayerNorms and returned states stay fp32, as under autocast. The weights
-are transformers' own (same ``state_dict`` values; only query/key/value are concatenated), so
-the model hash and the vectors' set are unchanged: fp32 states match transformers' within
-float rounding (tested), bf16 ones pass the same cosine >= 0.9999 check against fp32.
+are the model's own ``BertModel`` state dict (only query/key/value are concatenated), read by
+``pipeline.models.loader.read_bert_weights`` straight from ``model.safetensors`` where it can
+(else from the transformers model), so the model hash and the vectors' set are unchanged: fp32
+states match transformers' within float rounding (tested), bf16 ones pass the same cosine >=
+0.9999 check against fp32.
 
 Used on a CPU for ``model_type`` bert / roberta / xlm-roberta with absolute positions and GELU,
 when no pooler needs attention weights (those run transformers' eager attention), and not with
@@ -29,9 +31,11 @@ and SDPA's fused kernels.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import BaseModelOutput
 
 FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's algorithm
@@ -40,30 +44,88 @@ SCORE_BLOCK_BYTES = 8 << 20  # attention scores per block of rows
 # ~6 (scalar code), of >= 16 0.3-0.7; bf16 rows of < 32 2-4, 32-63 0.4-1.6, >= 64 ~0.35
 MIN_KEYS = 16  # narrower attention rows get masked keys appended
 BF16_SOFTMAX_KEYS = 64  # narrower bf16 rows take their softmax in fp32
+EMBEDDINGS = ("word_embeddings", "position_embeddings", "token_type_embeddings")
 
 
-def fusable(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether ``FusedBert`` computes what ``model``'s own forward does, on ``device``."""
-    cfg = model.config
+def fusable(config, device: torch.device) -> bool:
+    """Whether ``FusedBert`` computes what the model of ``config`` computes, on ``device``."""
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and cfg.model_type in FUSABLE_TYPES and cfg.hidden_act in GELU
-            and getattr(cfg, "position_embedding_type", "absolute") in (None, "absolute")
-            and not cfg.is_decoder and not getattr(cfg, "add_cross_attention", False)
-            and hasattr(model, "embeddings") and hasattr(model, "encoder"))
+            and config.model_type in FUSABLE_TYPES and config.hidden_act in GELU
+            and getattr(config, "position_embedding_type", "absolute") in (None, "absolute")
+            and not config.is_decoder and not getattr(config, "add_cross_attention", False))
+
+
+def weight_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The state-dict names ``FusedBert`` reads (a ``BertModel``'s, no prefix) and shapes."""
+    hidden, inner = int(config.hidden_size), int(config.intermediate_size)
+    shapes = {
+        "embeddings.word_embeddings.weight": (int(config.vocab_size), hidden),
+        "embeddings.position_embeddings.weight": (int(config.max_position_embeddings), hidden),
+        "embeddings.token_type_embeddings.weight": (int(config.type_vocab_size), hidden),
+        "embeddings.LayerNorm.weight": (hidden,),
+        "embeddings.LayerNorm.bias": (hidden,),
+    }
+    parts = {"attention.self.query": (hidden, hidden), "attention.self.key": (hidden, hidden),
+             "attention.self.value": (hidden, hidden), "attention.output.dense": (hidden, hidden),
+             "attention.output.LayerNorm": (hidden,), "intermediate.dense": (inner, hidden),
+             "output.dense": (hidden, inner), "output.LayerNorm": (hidden,)}
+    for i in range(int(config.num_hidden_layers)):
+        for part, shape in parts.items():
+            shapes[f"encoder.layer.{i}.{part}.weight"] = shape
+            shapes[f"encoder.layer.{i}.{part}.bias"] = shape[:1]
+    return shapes
+
+
+@dataclass(frozen=True)
+class FusedOutput:
+    """What the encoder reads of a transformers model's output."""
+
+    last_hidden_state: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+class Embeddings(torch.nn.Module):
+    """BERT's and RoBERTa's input embeddings: word + token type + position, then LayerNorm.
+    RoBERTa numbers positions from ``pad_token_id + 1`` over real tokens (padding keeps
+    ``pad_token_id``), as transformers' ``create_position_ids_from_input_ids`` does."""
+
+    def __init__(self, config, state: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name in EMBEDDINGS:
+            weight = state[f"embeddings.{name}.weight"]
+            setattr(self, name, torch.nn.Embedding.from_pretrained(weight, freeze=True))
+        self.norm = _layer_norm(state, "embeddings.LayerNorm", config.layer_norm_eps)
+        roberta = config.model_type in ("roberta", "xlm-roberta")
+        self.padding_idx = int(config.pad_token_id) if roberta else None
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
+                ) -> torch.Tensor:
+        if self.padding_idx is None:
+            positions = torch.arange(input_ids.shape[1])[None, :]
+        else:
+            real = input_ids.ne(self.padding_idx).int()
+            positions = (torch.cumsum(real, dim=1).type_as(real) * real).long() + self.padding_idx
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        return self.norm(x + self.position_embeddings(positions))
 
 
 class FusedLayer(torch.nn.Module):
     """One transformer layer: fused projections, blocked attention, post-LayerNorm residuals."""
 
-    def __init__(self, layer: torch.nn.Module, heads: int, gelu: str, onednn_fp32: bool) -> None:
+    def __init__(self, config, state: Mapping[str, torch.Tensor], onednn_fp32: bool) -> None:
         super().__init__()
-        attn = layer.attention
-        scale = (attn.self.query.weight.shape[0] // heads) ** -0.5
-        self.qkv = _concat([(attn.self.query, scale), (attn.self.key, 1.0), (attn.self.value, 1.0)])
-        self.out_proj, self.norm1 = attn.output.dense, attn.output.LayerNorm
-        self.up, self.down = layer.intermediate.dense, layer.output.dense
-        self.norm2 = layer.output.LayerNorm
-        self.heads, self.gelu, self.onednn_fp32 = heads, gelu, onednn_fp32
+        heads, eps = int(config.num_attention_heads), config.layer_norm_eps
+        scale = (int(config.hidden_size) // heads) ** -0.5
+        self.qkv = _concat([(_linear(state, "attention.self.query"), scale),
+                            (_linear(state, "attention.self.key"), 1.0),
+                            (_linear(state, "attention.self.value"), 1.0)])
+        self.out_proj = _linear(state, "attention.output.dense")
+        self.norm1 = _layer_norm(state, "attention.output.LayerNorm", eps)
+        self.up, self.down = _linear(state, "intermediate.dense"), _linear(state, "output.dense")
+        self.norm2 = _layer_norm(state, "output.LayerNorm", eps)
+        self.heads, self.gelu, self.onednn_fp32 = heads, GELU[config.hidden_act], onednn_fp32
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows, width, _ = x.shape
@@ -85,34 +147,38 @@ class FusedLayer(torch.nn.Module):
 
 
 class FusedBert(torch.nn.Module):
-    """``model``'s embeddings and layers with a fused forward; called like the model itself
-    (``input_ids``, ``attention_mask``, ``token_type_ids``, ``output_hidden_states``)."""
+    """A BERT-family encoder with a fused forward, built from its config and its ``BertModel``
+    state dict (no prefix); called like the transformers model (``input_ids``,
+    ``attention_mask``, ``token_type_ids``, ``output_hidden_states``)."""
 
-    def __init__(self, model: torch.nn.Module, onednn_fp32: bool) -> None:
+    def __init__(self, config, state: Mapping[str, torch.Tensor], onednn_fp32: bool) -> None:
         super().__init__()
-        self.config = model.config
-        self.embeddings = model.embeddings
-        gelu = GELU[self.config.hidden_act]
+        self.config = config
+        self.embeddings = Embeddings(config, state)
         self.layers = torch.nn.ModuleList(
-            FusedLayer(layer, self.config.num_attention_heads, gelu, onednn_fp32)
-            for layer in model.encoder.layer)
+            FusedLayer(config, _under(state, f"encoder.layer.{i}."), onednn_fp32)
+            for i in range(int(config.num_hidden_layers)))
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, onednn_fp32: bool) -> FusedBert:
+        """The fused twin of a loaded transformers model: the same weights."""
+        return cls(model.config, model.state_dict(), onednn_fp32)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
-                output_attentions: bool = False) -> BaseModelOutput:
+                output_attentions: bool = False) -> FusedOutput:
         if output_attentions:
             raise ValueError("FusedBert computes no attention weights; use the model's own")
         dtype = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
                  else torch.float32)
         with torch.autocast("cpu", enabled=False):
-            x = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids).float()
+            x = self.embeddings(input_ids, token_type_ids).float()
             bias = _mask_bias(attention_mask, dtype)
             states = [x]
             for layer in self.layers:
                 x = layer(x, bias, dtype)
                 states.append(x)
-        return BaseModelOutput(last_hidden_state=x,
-                               hidden_states=tuple(states) if output_hidden_states else None)
+        return FusedOutput(x, tuple(states) if output_hidden_states else None)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
@@ -168,6 +234,28 @@ def _mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
     bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(padding, torch.finfo(dtype).min)
     return bias[:, None, None, :]
+
+
+def _under(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _linear(state: Mapping[str, torch.Tensor], name: str) -> torch.nn.Linear:
+    weight = state[f"{name}.weight"]
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(state[f"{name}.bias"])
+    return linear.requires_grad_(False)
+
+
+def _layer_norm(state: Mapping[str, torch.Tensor], name: str, eps: float) -> torch.nn.LayerNorm:
+    weight = state[f"{name}.weight"]
+    norm = torch.nn.LayerNorm(weight.shape[0], eps=eps, dtype=weight.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        norm.bias.copy_(state[f"{name}.bias"])
+    return norm.requires_grad_(False)
 
 
 def _concat(scaled: list[tuple[torch.nn.Linear, float]]) -> torch.nn.Linear:

@@ -51,7 +51,8 @@ def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32:
     ids, mask = batch()
     with torch.inference_mode():
         want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-        got = FusedBert(model, onednn_fp32)(ids, mask, output_hidden_states=True).hidden_states
+        fused = FusedBert.from_model(model, onednn_fp32)
+        got = fused(ids, mask, output_hidden_states=True).hidden_states
     assert len(got) == len(want) == 4
     for ours, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=2e-5, rtol=1e-4)
@@ -62,14 +63,14 @@ def test_the_tanh_gelu_is_fused_as_the_tanh_gelu() -> None:
     ids, mask = batch()
     with torch.inference_mode():
         want = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        got = FusedBert(model, onednn_fp32=True)(ids, mask).last_hidden_state
+        got = FusedBert.from_model(model, onednn_fp32=True)(ids, mask).last_hidden_state
     torch.testing.assert_close(real(got, mask), real(want, mask), atol=2e-5, rtol=1e-4)
 
 
 def test_bf16_under_autocast_stays_close_to_the_models_own_bf16() -> None:
     model = tiny()
     ids, mask = batch(rows=8, width=40)
-    fused = FusedBert(model, onednn_fp32=True)
+    fused = FusedBert.from_model(model, onednn_fp32=True)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = model(input_ids=ids, attention_mask=mask).last_hidden_state
         got = fused(ids, mask).last_hidden_state
@@ -124,14 +125,15 @@ def test_the_padding_bias_is_finite_in_the_compute_dtype_and_absent_without_padd
 ])
 def test_only_models_it_computes_exactly_are_fused(kind: str, overrides: dict,
                                                    expected: bool) -> None:
-    assert fusable(tiny(kind, **overrides), CPU) is expected
-    assert not fusable(tiny(kind), torch.device("meta"))  # a GPU keeps the model's own forward
+    assert fusable(tiny(kind, **overrides).config, CPU) is expected
+    # a GPU keeps the model's own forward
+    assert not fusable(tiny(kind).config, torch.device("meta"))
 
 
 def test_the_fused_model_refuses_to_invent_attention_weights() -> None:
     ids, mask = batch()
     with pytest.raises(ValueError, match="no attention weights"):
-        FusedBert(tiny(), onednn_fp32=True)(ids, mask, output_attentions=True)
+        FusedBert.from_model(tiny(), onednn_fp32=True)(ids, mask, output_attentions=True)
 
 
 def test_the_encoder_fuses_where_it_may_and_the_vectors_stay_the_set(
@@ -156,10 +158,10 @@ def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
     ids, mask = batch(rows=3, width=9)
     mask[1] = 0  # e.g. an empty text under a tokenizer that adds no special tokens
     with torch.inference_mode():
-        got = FusedBert(model, onednn_fp32=True)(ids, mask).last_hidden_state
+        got = FusedBert.from_model(model, onednn_fp32=True)(ids, mask).last_hidden_state
         want = model(input_ids=ids, attention_mask=mask).last_hidden_state
         with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 scores and padding bias
-            got_bf16 = FusedBert(model, onednn_fp32=True)(ids, mask).last_hidden_state
+            got_bf16 = FusedBert.from_model(model, onednn_fp32=True)(ids, mask).last_hidden_state
     assert torch.isfinite(got).all() and torch.isfinite(got_bf16).all()
     torch.testing.assert_close(got[0][mask[0].bool()], want[0][mask[0].bool()],
                                atol=2e-5, rtol=1e-4)

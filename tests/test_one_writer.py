@@ -105,9 +105,12 @@ def out(request, tmp_path) -> str:
 
 
 def test_two_embeds_started_together_one_wins_the_other_names_it(out, corpus, cli_env,
-                                                                  tiny_model_dir):
+                                                                  tiny_model_dir, tmp_path):
     path, clean = corpus
-    procs = {n: embed(path, out, tiny_model_dir, cli_env, "--rows-per-shard", str(n))
+    # the winner's first two shard reads fail and are retried a second later each: it holds
+    # OUT 2 s longer than its run needs, whatever start-up the two processes race through
+    held = cli_env | {"EMBEDPIPE_FAILPOINT": f"read_shard:0:2:{tmp_path / 'fp'}"}
+    procs = {n: embed(path, out, tiny_model_dir, held, "--rows-per-shard", str(n))
              for n in (20, 30)}
     done = {n: finish(p) for n, p in procs.items()}
     codes = sorted(code for code, _, _ in done.values())

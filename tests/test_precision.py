@@ -130,9 +130,10 @@ def test_bf16_weights_cast_once_give_autocasts_vectors(tiny_model_dir: Path) -> 
     assert norms and all(m.weight.dtype == torch.float32 for m in norms)
     ids, mask = encoder.pad(encoder.tokenize(["weights cast once", "a second, longer text " * 4]))
     got = encoder.forward(ids, mask, {encoder.num_layers}, False).layer(-1)
-    plain = loader.load_transformer(loader.read_model_files(str(tiny_model_dir)), False, False)
+    files = loader.read_model_files(str(tiny_model_dir))
+    plain = loader.load_transformer(files, False, False, loader.load_config(files, False))
     if encoder.fused:
-        plain = FusedBert(plain, onednn_fp32=encoder.fp32_kernel == "onednn")
+        plain = FusedBert.from_model(plain, onednn_fp32=encoder.fp32_kernel == "onednn")
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = plain(input_ids=ids, attention_mask=mask.long(),
                     token_type_ids=torch.zeros_like(ids))

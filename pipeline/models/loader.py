@@ -130,31 +130,76 @@ def _lower_case(tokenizer) -> None:
     backend.normalizer = NormalizerSequence(steps)
 
 
-def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool):
+def load_config(files: ModelFiles, trust_remote_code: bool):
+    """The transformer's config (with the Transformer module's config arguments). Called
+    first, it also readies torch's CPU kernels and TorchInductor's cache dir, which must
+    happen before torch's first CPU kernel and transformers' import (see ``pipeline.hardware``,
+    ``pipeline.compiled``)."""
+    from pipeline.compiled import place_kernel_cache
+    from pipeline.hardware import prepare_cpu_kernels
+
+    prepare_cpu_kernels()
+    place_kernel_cache()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(files.transformer_dir), **files.transformer.config_args,
+                                      **_hub(trust_remote_code))
+
+
+def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool, config):
     """The transformer in eval mode, its weights in float32; eager attention only where asked
     (a pooler reads the attention weights, or the int8 path exports the graph), SDPA otherwise.
 
     float32 whatever dtype the checkpoint stores: transformers 5 loads a checkpoint in its
     stored dtype, so an fp16-saved model would otherwise run fp16 products where the run says
     fp32 (on a CPU, slowly); ``pipeline.precision`` chooses the dtype the products run in."""
-    from pipeline.compiled import place_kernel_cache
-    from pipeline.hardware import prepare_cpu_kernels
-
-    prepare_cpu_kernels()  # before torch's first CPU kernel (see pipeline.hardware)
-    place_kernel_cache()  # before transformers' import reads TorchInductor's cache dir
     import torch
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
-    hub = {"local_files_only": True, "trust_remote_code": trust_remote_code}
-    config = AutoConfig.from_pretrained(str(files.transformer_dir), **files.transformer.config_args,
-                                        **hub)
-    model_args = {k: v for k, v in files.transformer.model_args.items()
-                  if k not in ("attn_implementation", "local_files_only", "dtype", "torch_dtype")}
     attn = "eager" if eager else "sdpa"
     model = AutoModel.from_pretrained(str(files.transformer_dir), config=config,
                                       attn_implementation=attn, dtype=torch.float32,
-                                      **model_args, **hub)
+                                      **_model_args(files), **_hub(trust_remote_code))
     return model.eval()
+
+
+def read_bert_weights(files: ModelFiles, config):
+    """A BERT-family transformer's weights as ``pipeline.fused_bert`` names them (float32),
+    read from its one ``model.safetensors`` without transformers' model classes (importing
+    them took ~1.2 s of MiniLM's ~1.9 s load). None where transformers' own loader must
+    decide: model arguments, a sharded or pickled checkpoint, or names or shapes it would
+    rename, leave missing or refuse."""
+    import torch
+    from safetensors import safe_open
+
+    from pipeline.fused_bert import weight_shapes
+
+    path = files.transformer_dir / "model.safetensors"
+    if _model_args(files) or not path.is_file():
+        return None
+    wanted = weight_shapes(config)
+    with safe_open(str(path), framework="pt") as stored:
+        names = set(stored.keys())
+        base = BASE_PREFIX.get(config.model_type, "")
+        prefix = f"{base}." if f"{base}.{next(iter(wanted))}" in names else ""
+        if any(prefix + name not in names for name in wanted):
+            return None
+        state = {name: stored.get_tensor(prefix + name).to(torch.float32) for name in wanted}
+    if any(tuple(state[name].shape) != shape for name, shape in wanted.items()):
+        return None
+    return state
+
+
+BASE_PREFIX = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}  # in checkpoints
+_PASSED_ON = ("attn_implementation", "local_files_only", "dtype", "torch_dtype")  # set here
+
+
+def _model_args(files: ModelFiles) -> dict:
+    return {k: v for k, v in files.transformer.model_args.items() if k not in _PASSED_ON}
+
+
+def _hub(trust_remote_code: bool) -> dict:
+    return {"local_files_only": True, "trust_remote_code": trust_remote_code}
 
 
 def max_length(files: ModelFiles, tokenizer, positions: int) -> int:

