@@ -48,8 +48,10 @@ EMBEDDINGS = ("word_embeddings", "position_embeddings", "token_type_embeddings")
 
 
 def fusable(config, device: torch.device) -> bool:
-    """Whether ``FusedBert`` computes what the model of ``config`` computes, on ``device``."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """Whether ``FusedBert`` computes what the model of ``config`` computes, on ``device``
+    (not for a model whose config names its own modeling code: that code decides)."""
+    remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available() and not remote
             and config.model_type in FUSABLE_TYPES and config.hidden_act in GELU
             and getattr(config, "position_embedding_type", "absolute") in (None, "absolute")
             and not config.is_decoder and not getattr(config, "add_cross_attention", False))

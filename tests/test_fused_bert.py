@@ -122,6 +122,7 @@ def test_the_padding_bias_is_finite_in_the_compute_dtype_and_absent_without_padd
     ("bert", {"hidden_act": "relu"}, False),
     ("bert", {"position_embedding_type": "relative_key"}, False),
     ("bert", {"is_decoder": True}, False),
+    ("bert", {"auto_map": {"AutoModel": "modeling.CustomBert"}}, False),  # its own code
 ])
 def test_only_models_it_computes_exactly_are_fused(kind: str, overrides: dict,
                                                    expected: bool) -> None:
