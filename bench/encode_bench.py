@@ -63,6 +63,7 @@ from bench.speed import cpu_flags  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder, get_embedder  # noqa: E402
+from pipeline.vectors import row_cosines  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "pypi_summaries_200k.parquet"
 ST_BATCH = 32  # SentenceTransformer.encode's default batch size
@@ -138,9 +139,7 @@ def encoder_flops(lengths: np.ndarray, config) -> float:
 
 
 def min_cosine(x: np.ndarray, y: np.ndarray) -> float:
-    x = x / np.linalg.norm(x, axis=1, keepdims=True)
-    y = y / np.linalg.norm(y, axis=1, keepdims=True)
-    return float((x * y).sum(axis=1).min())
+    return float(row_cosines(x, y).min())
 
 
 def real_lengths(embedder: Embedder, texts: list[str]) -> np.ndarray:

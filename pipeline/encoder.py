@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
+from pipeline.models import loader
 from pipeline.models.head import ModelParts
 from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
 from pipeline.models.similarity import Similarity
@@ -86,8 +87,6 @@ class Encoder:
 
     def __init__(self, cfg: EncoderConfig, need_attention: bool = False) -> None:
         from transformers.utils import logging as hf_logging
-
-        from pipeline.models import loader
 
         hf_logging.disable_progress_bar()
         self.cfg = cfg
@@ -159,7 +158,6 @@ class Encoder:
         read without transformers' model classes where the files allow; else transformers'
         model, its fp32 Linear layers through oneDNN where that kernel won."""
         from pipeline.fused_bert import FusedBert, fusable
-        from pipeline.models import loader
 
         trust, eager = self.cfg.trust_remote_code, need_attention or self.cfg.dtype == INT8
         onednn = self.fp32_kernel == "onednn"

@@ -201,8 +201,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     block = max(1, SCORE_BLOCK_BYTES // (q.element_size() * heads * width * keys))
     context = torch.empty((rows, width, heads, dim), dtype=q.dtype)
     for start in range(0, rows, block):
-        part = slice(start, start + block)
-        n = len(range(rows)[part])
+        part, n = slice(start, start + block), min(block, rows - start)
         qs = q[part].reshape(n * heads, width, dim)
         ks, vs = (t[part].reshape(n * heads, keys, dim) for t in (k, v))
         if bias is None:

@@ -10,19 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 PYPI = SHARED / "pypi_summaries_200k.parquet"
 PROMPTS = {"query": "query: ", "document": "passage: ", "search": "Represent this for search: "}
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine of two (rows, dim) matrices."""
-    a = a / np.linalg.norm(a, axis=1, keepdims=True)
-    b = b / np.linalg.norm(b, axis=1, keepdims=True)
-    return (a * b).sum(axis=1)
 
 
 def real_texts(n: int = 300) -> list[str]:

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _st_models import VARIANTS, cosines, real_texts, save_variant
+from _st_models import VARIANTS, real_texts, save_variant
 
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.precision import MIN_COSINE
+from pipeline.vectors import row_cosines
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -23,7 +24,7 @@ POOLERS = [PoolerSpec(name="mean"), PoolerSpec(name="cls"), PoolerSpec(name="max
 
 
 def _min_cosine(x: np.ndarray, y: np.ndarray) -> float:
-    return float(cosines(x, y).min())
+    return float(row_cosines(x, y).min())
 
 
 def _vectors(model: Path, device: str, dtype: str, texts: list[str]) -> dict[str, np.ndarray]:

@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 from _search_sets import TEXTS, embedded_set
 from _serve import cli_env, serving
-from _st_models import cosines
 
 from pipeline.index import IndexRequest, index_set
+from pipeline.vectors import row_cosines
 
 KEY = "test-key-5f1c2a"
 
@@ -76,10 +76,10 @@ def test_openai_sdk_gets_the_sets_own_vectors(served):
         got = np.asarray([d.embedding for d in result.data], dtype=np.float32)
         assert [d.index for d in result.data] == list(range(7)) and result.model == name
         assert got.shape == (7, 32)
-        assert cosines(got, stored(out, name)[:7]).min() >= 0.9999
+        assert row_cosines(got, stored(out, name)[:7]).min() >= 0.9999
     assert result.usage.prompt_tokens == result.usage.total_tokens > 7
     one = client.embeddings.create(input=TEXTS[9], model="mean", encoding_format="float")
-    assert cosines(np.asarray([one.data[0].embedding]), stored(out, "mean")[9:10])[0] >= 0.9999
+    assert row_cosines(np.asarray([one.data[0].embedding]), stored(out, "mean")[9:10])[0] >= 0.9999
 
 
 def test_openai_shape_base64_and_dimensions_over_plain_http(served):
@@ -105,10 +105,10 @@ def test_huggingface_inference_client_gets_the_default_sets_vectors(served, monk
     client = InferenceClient(model=base, token=KEY)
     got = client.feature_extraction(TEXTS[5])
     assert got.shape == (1, 32)
-    assert cosines(got, stored(out, "mean")[5:6])[0] >= 0.9999
+    assert row_cosines(got, stored(out, "mean")[5:6])[0] >= 0.9999
     raw = httpx.post(f"{base}/embed", headers=auth(),
                      json={"inputs": TEXTS[:3], "normalize": False, "truncate": True}).json()
-    assert cosines(np.asarray(raw), stored(out, "mean")[:3]).min() >= 0.9999
+    assert row_cosines(np.asarray(raw), stored(out, "mean")[:3]).min() >= 0.9999
 
 
 @pytest.mark.parametrize(("path", "body", "status", "reason"), [

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _st_models import VARIANTS, Variant, cosines, real_texts, save_variant
+from _st_models import VARIANTS, Variant, real_texts, save_variant
 from conftest import build_tiny_bert
 
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.data import TextBatch
 from pipeline.embedder import Embedder
+from pipeline.vectors import row_cosines
 
 MIN_COSINE = 0.9999
 
@@ -37,7 +38,7 @@ def st_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def assert_same(ours: np.ndarray, theirs: np.ndarray, what: str) -> float:
     assert ours.shape == theirs.shape, (what, ours.shape, theirs.shape)
-    worst = float(cosines(ours, theirs).min())
+    worst = float(row_cosines(ours, theirs).min())
     assert worst >= MIN_COSINE, (what, worst)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), np.linalg.norm(theirs, axis=1),
                                rtol=1e-4, err_msg=what)
@@ -121,4 +122,4 @@ def test_seed_poolers_read_token_states_and_model_head_applies_the_modules(
     assert_same(vectors["model"], expected, "model")
     worst = assert_same(vectors["cls_head"], expected, "cls + model_head")
     print(f"\ncls + model_head (Dense 32->12 Tanh, Normalize): min cosine {worst:.7f}")
-    assert cosines(vectors["cls"][:, :12], expected).min() < 0.99  # not the model's head
+    assert row_cosines(vectors["cls"][:, :12], expected).min() < 0.99  # not the model's head
