@@ -10,10 +10,11 @@
     frame = embedpipe.read_set("out/", "mean").collect()        # polars: id, embedding
 
 Job options are the CLI's flags as keyword arguments (``model``, ``device``, ``dtype``,
-``compile``, ``max_length``, ``window``, ``stride``, ``window_agg``, ``id_column``, ``text_column``,
-``runner``, ``dask_address``, ``workers``, ``rows_per_shard``, ``quarantine``, ``dedupe``)
-plus ``config`` (a TOML file); see ``pipeline.assembly``. Every failure in the input raises an
-``EmbedpipeError`` (``embedpipe.EmbedpipeError``) whose message is the one-line reason.
+``int8_kernel``, ``compile``, ``max_length``, ``window``, ``stride``, ``window_agg``,
+``id_column``, ``text_column``, ``runner``, ``dask_address``, ``workers``, ``rows_per_shard``,
+``quarantine``, ``dedupe``) plus ``config`` (a TOML file); see ``pipeline.assembly``. Every
+failure in the input raises an ``EmbedpipeError`` (``embedpipe.EmbedpipeError``) whose message
+is the one-line reason.
 
 Importing this module is cheap: torch, FAISS and Prefect load inside the functions.
 """

@@ -3,9 +3,10 @@
 The CLI, the Python API (``embedpipe.embed`` / ``backfill``) and the Prefect deployments all
 build jobs here, so a flag, a keyword argument and a deployment parameter mean the same.
 
-Options are flat, named like the CLI flags (``model``, ``device``, ``dtype``, ``max_length``,
-``compile``, ``window``, ``stride``, ``window_agg``, ``id_column``, ``text_column``, ``runner``,
-``dask_address``, ``workers``, ``rows_per_shard``, ``quarantine``, ``dedupe``); ``None`` means
+Options are flat, named like the CLI flags (``model``, ``device``, ``dtype``, ``int8_kernel``,
+``max_length``, ``compile``, ``window``, ``stride``, ``window_agg``, ``id_column``,
+``text_column``, ``runner``, ``dask_address``, ``workers``, ``rows_per_shard``, ``quarantine``,
+``dedupe``); ``None`` means
 "not chosen", so the config file, then the installation's ``EMBEDPIPE_*`` settings apply.
 
 Config file (all keys optional; options win)::
@@ -33,7 +34,7 @@ from typing import Any
 from pipeline.config import EmbedJob, load_toml, parse
 from pipeline.errors import ConfigError
 
-ENCODER_OPTIONS = ("model", "device", "dtype", "max_length", "compile")
+ENCODER_OPTIONS = ("model", "device", "dtype", "int8_kernel", "max_length", "compile")
 WINDOW_OPTIONS = {"window": "size", "stride": "stride", "window_agg": "agg"}
 JOB_OPTIONS = ("id_column", "text_column", "runner", "dask_address", "workers",
                "rows_per_shard", "quarantine", "dedupe", "lease_wait")

@@ -21,6 +21,9 @@ LayerCombine = Literal["mean", "max", "concat", "weighted"]
 WindowAgg = Literal["mean", "max", "weighted", "first"]
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "fp32", "bf16", "fp16", "int8"]  # int8: opt-in, CPU only
+# where dtype int8 runs: auto = oneDNN in the fused forward where this model and CPU allow it,
+# else ONNX Runtime; each makes its own vectors (a set keeps the one that made it)
+Int8Kernel = Literal["auto", "onednn", "onnxruntime"]
 Runner = Literal["threads", "processes", "dask"]
 HeadKind = Literal["attention", "positional", "layer_weights", "adapter"]  # learned pooler heads
 HEAD_JSON = "head.json"  # a learned pooling head folder: its config and weights
@@ -104,6 +107,7 @@ class EncoderConfig(_Strict):
     # the transformer through torch.compile (pipeline.compiled): a compile on the first batch,
     # then faster batches; the same vectors within float rounding (not part of a set's key)
     compile: bool = False
+    int8_kernel: Int8Kernel = "auto"
     # prompts of a sentence-transformers model (config_sentence_transformers.json), by name:
     # None = the model's default_prompt_name for documents and its "query" prompt for
     # queries; "" = no prompt
@@ -113,8 +117,11 @@ class EncoderConfig(_Strict):
     @model_validator(mode="after")
     def _compiled_in_torch(self) -> EncoderConfig:
         if self.compile and self.dtype == "int8":
-            raise ValueError("compile runs the torch model; dtype int8 runs ONNX Runtime: "
-                             "choose one")
+            raise ValueError("compile runs the torch model; dtype int8 runs its own int8 "
+                             "kernels: choose one")
+        if self.int8_kernel != "auto" and self.dtype != "int8":
+            raise ValueError(f"int8_kernel {self.int8_kernel} is for dtype int8, not "
+                             f"{self.dtype}")
         return self
 
 

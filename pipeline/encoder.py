@@ -20,11 +20,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
 from pipeline.models import loader
+from pipeline.models.hashing import quantized_hash
 from pipeline.models.head import ModelParts
 from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
 from pipeline.models.similarity import Similarity
 from pipeline.precision import CALIBRATION_TEXTS, DtypeCheck, choose_device, choose_dtype
-from pipeline.quantize import INT8, OnnxInt8Model, check_int8, quantized_hash
+from pipeline.quantize import INT8, OnnxInt8Model, check_int8, check_onnxruntime
 from pipeline.token_rows import TokenRows, pad_rows
 from pipeline.tokenize_pool import MIN_TEXTS, TokenizerPool, pool_workers
 
@@ -98,9 +99,12 @@ class Encoder:
         self.device = choose_device(cfg.device)
         try:
             config = loader.load_config(self.files, cfg.trust_remote_code)
+            self.int8_kernel = self._int8_kernel(config)
             self.fp32_kernel = self._fp32_kernel()
             self.tokenizer = loader.load_tokenizer(self.files, cfg.trust_remote_code)
             self.model, self.fused = self._load_model(config, need_attention)
+        except ConfigError:
+            raise
         except (OSError, ValueError, KeyError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(f"cannot load an encoder from {self.folder}: {first}") from None
@@ -131,8 +135,10 @@ class Encoder:
         runner = "fused" if self.fused else self.model.config._attn_implementation
         model_key = f"{self.files_hash}-{runner}-{self.fp32_kernel}"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)
-        self.model_hash = quantized_hash(self.files_hash, self.dtype)
-        if self.dtype == INT8:
+        self.model_hash = quantized_hash(self.files_hash, self.int8_kernel)
+        if self.int8_kernel == "onednn":
+            self.model.to_int8()
+        elif self.int8_kernel == "onnxruntime":
             self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types)
         elif self.dtype in HALF:
             cast_linear_weights(self.model, HALF[self.dtype])
@@ -141,6 +147,29 @@ class Encoder:
             from pipeline.compiled import compile_model
 
             self.model = compile_model(self.model)
+
+    def _int8_kernel(self, config) -> str | None:
+        """Where ``dtype int8`` runs (None for any other dtype): the job's ``int8_kernel``, or
+        for ``auto`` ``onednn`` where the fused forward runs this model and oneDNN's int8
+        product and bf16 run natively here (see ``pipeline.int8_linear``), else
+        ``onnxruntime`` (``pipeline.quantize``)."""
+        from pipeline.fused_bert import fusable
+        from pipeline.int8_linear import onednn_int8_available
+
+        wanted = self.cfg.int8_kernel
+        if self.cfg.dtype != INT8:
+            return None
+        if wanted != "onnxruntime":
+            if not fusable(config, self.device):
+                why = f"the fused forward does not run {config.model_type} models like this one"
+            elif not onednn_int8_available():
+                why = "this CPU or torch lacks oneDNN's int8 product or native bf16"
+            else:
+                return "onednn"
+            if wanted == "onednn":
+                raise ConfigError(f"int8_kernel onednn cannot run here: {why}; use onnxruntime")
+        check_onnxruntime()
+        return "onnxruntime"
 
     def _fp32_kernel(self) -> str:
         """``onednn`` where this CPU runs fp32 products faster through oneDNN (see
@@ -159,7 +188,8 @@ class Encoder:
         model, its fp32 Linear layers through oneDNN where that kernel won."""
         from pipeline.fused_bert import FusedBert, fusable
 
-        trust, eager = self.cfg.trust_remote_code, need_attention or self.cfg.dtype == INT8
+        trust = self.cfg.trust_remote_code
+        eager = need_attention or self.int8_kernel == "onnxruntime"
         onednn = self.fp32_kernel == "onednn"
         if not (need_attention or self._handed_on) and fusable(config, self.device):
             state = loader.read_bert_weights(self.files, config)
@@ -176,7 +206,7 @@ class Encoder:
     @property
     def _handed_on(self) -> bool:
         """Whether the torch model goes on to int8's ONNX export or to ``torch.compile``."""
-        return self.cfg.dtype == INT8 or self.cfg.compile
+        return self.int8_kernel == "onnxruntime" or self.cfg.compile
 
     def _max_length(self, model_limit) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512

@@ -25,8 +25,9 @@ states match transformers' within float rounding (tested), bf16 ones pass the sa
 
 Used on a CPU for ``model_type`` bert / roberta / xlm-roberta with absolute positions and GELU,
 when no pooler needs attention weights (those run transformers' eager attention), and not with
-``int8`` or ``--compile`` (which take the transformers model). A GPU keeps transformers' forward
-and SDPA's fused kernels.
+``--compile`` (which takes the transformers model). ``dtype int8`` runs it too (``to_int8``)
+where oneDNN's int8 product and bf16 run natively here, else takes the transformers model to
+ONNX Runtime (``pipeline.quantize``). A GPU keeps transformers' forward and SDPA's fused kernels.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pipeline.int8_linear import Int8Linear
 
 FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's algorithm
@@ -131,16 +134,26 @@ class FusedLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows, width, _ = x.shape
-        qkv = self._linear(x.to(dtype), self.qkv, dtype)
+        qkv = self._linear(x, self.qkv, dtype)
         q, k, v = qkv.view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         context = attend(q, k, v, bias)
         x = self.norm1(self._linear(context, self.out_proj, dtype).float() + x)
-        inner = self._linear(x.to(dtype), self.up, dtype, activation=True)
+        inner = self._linear(x, self.up, dtype, activation=True)
         return self.norm2(self._linear(inner, self.down, dtype).float() + x)
 
-    def _linear(self, x: torch.Tensor, layer: torch.nn.Linear, dtype: torch.dtype,
+    def to_int8(self) -> None:
+        """Query/key/value, the attention output and the FFN's first product (GELU fused) in
+        int8; the FFN's second product stays as it is (see ``pipeline.int8_linear``)."""
+        self.qkv, self.out_proj = Int8Linear(self.qkv), Int8Linear(self.out_proj)
+        self.up = Int8Linear(self.up, gelu=self.gelu)
+
+    def _linear(self, x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype,
                 activation: bool = False) -> torch.Tensor:
-        weight, bias = layer.weight.to(dtype), layer.bias.to(dtype)  # no-ops once cast
+        """``layer(x)`` in ``dtype`` (an ``Int8Linear`` quantizes ``x`` itself), GELU after
+        where ``activation``."""
+        if isinstance(layer, Int8Linear):
+            return layer(x)
+        x, weight, bias = x.to(dtype), layer.weight.to(dtype), layer.bias.to(dtype)  # no-ops
         if dtype != torch.float32 or self.onednn_fp32:
             attr, algorithm = ("gelu", self.gelu) if activation else ("none", "")
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
@@ -155,7 +168,7 @@ class FusedBert(torch.nn.Module):
 
     def __init__(self, config, state: Mapping[str, torch.Tensor], onednn_fp32: bool) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.int8 = config, False
         self.embeddings = Embeddings(config, state)
         self.layers = torch.nn.ModuleList(
             FusedLayer(config, _under(state, f"encoder.layer.{i}."), onednn_fp32)
@@ -166,13 +179,26 @@ class FusedBert(torch.nn.Module):
         """The fused twin of a loaded transformers model: the same weights."""
         return cls(model.config, model.state_dict(), onednn_fp32)
 
+    def to_int8(self) -> None:
+        """Run in int8 from now on: each layer's hidden-wide products through oneDNN's int8
+        inner product, everything else in bf16 (``dtype int8`` where ``pipeline.int8_linear.
+        onednn_int8_available``)."""
+        for layer in self.layers:
+            layer.to_int8()
+            layer.down.to(torch.bfloat16)
+        self.int8 = True
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
                 output_attentions: bool = False) -> FusedOutput:
         if output_attentions:
             raise ValueError("FusedBert computes no attention weights; use the model's own")
-        dtype = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
-                 else torch.float32)
+        if self.int8:
+            dtype = torch.bfloat16
+        elif torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+        else:
+            dtype = torch.float32
         with torch.autocast("cpu", enabled=False):
             x = self.embeddings(input_ids, token_type_ids).float()
             bias = _mask_bias(attention_mask, dtype)

@@ -28,6 +28,7 @@ from pipeline.batching import SLICE_ROWS
 from pipeline.config import EmbedJob
 from pipeline.corpus import Chunk, read_shard
 from pipeline.errors import FingerprintError
+from pipeline.models.hashing import int8_hint
 from pipeline.sets import SetFolder, ShardMarker, quarantine_url
 from pipeline.shards import Shard
 from pipeline.stages import prefetch
@@ -274,6 +275,7 @@ def _check_fingerprints(embedder, sets: list[SetWork]) -> None:
             raise FingerprintError(
                 f"set {work.name!r}: this worker's model makes fingerprint {made}, the run "
                 f"planned {work.fingerprint} (model files changed during the run?); rerun"
+                + int8_hint(None, embedder.info.model_hash)
             )
 
 

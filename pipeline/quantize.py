@@ -12,7 +12,11 @@ Why ONNX Runtime and not torch's dynamic quantization of the Linear layers (the 
 path), measured on the packaged MiniLM and the same 2,000 PyPI summaries, AVX2-only CPU, two
 runs: torch int8 372 vs fp32 231 docs/s (1.61x), recall@10 -0.0065, cosine to fp32 0.973 mean;
 ONNX Runtime int8 412 vs fp32 233 docs/s (1.77x), recall@10 -0.0010, cosine 0.992 mean.
-Vectors change, so an int8 set has its own fingerprint (``quantized_hash``).
+Vectors change, so an int8 set has its own fingerprint (``pipeline.models.hashing.quantized_hash``).
+
+Where the fused CPU forward runs and oneDNN's int8 product and bf16 run natively, ``dtype
+int8`` runs there instead (``pipeline.int8_linear``): no export, and faster and closer to fp32
+on an AVX512-BF16 CPU (README, Performance).
 """
 
 from __future__ import annotations
@@ -41,24 +45,23 @@ OPSET = 17
 FUSED_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})  # ORT's BERT fusions apply
 
 
-def quantized_hash(model_hash: str, dtype: str) -> str:
-    """The hash a set's fingerprint stands on: int8 weights in ONNX Runtime are other weights."""
-    return f"{model_hash}-onnx-{INT8}" if dtype == INT8 else model_hash
-
-
 def check_int8(need_attention: bool) -> None:
     """Before the model loads: a one-line ConfigError where int8 cannot run this job (the
-    attention pooler, or ONNX Runtime and onnx not installed)."""
+    attention pooler: neither int8 kernel gives attention weights)."""
     if need_attention:
         raise ConfigError("the attention pooler needs the model's attention weights, which "
-                          "dtype int8 (ONNX Runtime) does not give: use fp32")
+                          "dtype int8 does not give: use fp32")
+
+
+def check_onnxruntime() -> None:
+    """A one-line ConfigError where ONNX Runtime and onnx are not installed."""
     try:
         import onnx  # noqa: F401
         import onnxruntime  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
-            f"dtype int8 runs the encoder in ONNX Runtime, which is not installed ({exc.name}): "
-            "pip install 'embedpipe[int8]'"
+            "dtype int8 runs this model in ONNX Runtime on this machine (no fused int8 path "
+            f"for it here), which is not installed ({exc.name}): pip install 'embedpipe[int8]'"
         ) from None
 
 

@@ -88,7 +88,10 @@ def job_keys(job: EmbedJob) -> dict[str, str]:
     from pipeline.models.hashing import folder_hash
 
     files = folder_hash(job.encoder.model)
-    encoder = job.encoder.model_dump(mode="json", exclude={"compile"})  # same vectors either way
+    # compile: the same vectors either way; int8_kernel: only ever set with dtype int8 (left
+    # out otherwise so that the keys of sets made before it existed still hold)
+    unkeyed = {"compile"} | ({"int8_kernel"} if job.encoder.dtype != "int8" else set())
+    encoder = job.encoder.model_dump(mode="json", exclude=unkeyed)
     return {
         spec.name: stable_hash({
             "encoder": encoder,

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
 from pipeline.errors import ConfigError, FingerprintError, StorageError
+from pipeline.models.hashing import int8_hint
 from pipeline.models.similarity import Similarity
 from pipeline.names import file_name, set_name
 
@@ -213,6 +214,7 @@ class SetFolder:
                 f"set {self.name!r} in {self.out} was made with fingerprint {stored.fingerprint} "
                 f"(model {stored.model}, pooler {stored.pooler.get('strategy')}), this job makes "
                 f"{meta.fingerprint} (model {meta.model}); use another set name or another OUT"
+                + int8_hint(stored.model_hash, meta.model_hash)
             )
         if stored.id_type != meta.id_type:
             raise FingerprintError(

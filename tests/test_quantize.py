@@ -1,5 +1,6 @@
-"""`--dtype int8`: the encoder in ONNX Runtime with int8 weights, close to fp32, its own
-fingerprint, built once per model and cache, CPU only."""
+"""`--dtype int8` in ONNX Runtime (where the fused int8 path does not run: forced here): int8
+weights, close to fp32, its own fingerprint, built once per model and cache, CPU only. The
+fused oneDNN int8 path: tests/test_int8_fused.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline import int8_linear
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError
@@ -26,6 +28,8 @@ def _embedder(model: Path, dtype: str, *poolers: PoolerSpec) -> Embedder:
 
 @pytest.fixture()
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """int8 through ONNX Runtime, as on a CPU without the fused int8 path; its model cache."""
+    monkeypatch.setattr(int8_linear, "onednn_int8_available", lambda: False)
     monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache" / "onnx-int8"
 

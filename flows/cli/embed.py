@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import get_args
 
-from pipeline.config import Device, DType, Runner, WindowAgg
+from pipeline.config import Device, DType, Int8Kernel, Runner, WindowAgg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +46,9 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("--window-agg", choices=get_args(WindowAgg))
     p.add_argument("--device", choices=get_args(Device))
     p.add_argument("--dtype", choices=get_args(DType))
+    p.add_argument("--int8-kernel", choices=get_args(Int8Kernel),
+                   help="where --dtype int8 runs (default auto: oneDNN in the fused forward "
+                   "where this model and CPU allow it, else ONNX Runtime)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="run the model through torch.compile: a compile on the first batch "
                    "(MiniLM on 2 cores: 7-25 s), then 1.06-1.22x faster batches (long runs)")

@@ -90,3 +90,33 @@ def _write_cached(path: Path, value: str) -> None:
         os.replace(tmp, path)
     except OSError:
         return
+
+
+# where dtype int8 runs: oneDNN's int8 product in the fused forward (pipeline.int8_linear), or
+# ONNX Runtime (pipeline.quantize); each rounds its own way, so each has its own hash suffix
+INT8_SUFFIXES = {"onednn": "-onednn-int8", "onnxruntime": "-onnx-int8"}
+
+
+def quantized_hash(model_hash: str, int8_kernel: str | None) -> str:
+    """The hash a set's fingerprint stands on: the model files' hash, and for dtype int8 (an
+    ``int8_kernel``) the kernel's suffix: int8 weights are other weights."""
+    return model_hash + INT8_SUFFIXES[int8_kernel] if int8_kernel else model_hash
+
+
+def int8_hint(made: str | None, making: str) -> str:
+    """Why two model hashes may differ where the int8 kernel is the reason ('' otherwise):
+    ``made`` the stored set's (None: not known here), ``making`` this job's."""
+    ran = {kernel for kernel, suffix in INT8_SUFFIXES.items() if making.endswith(suffix)}
+    if not ran:
+        return ""
+    [kernel] = ran
+    base = making.removesuffix(INT8_SUFFIXES[kernel])
+    other = next((k for k, suffix in INT8_SUFFIXES.items()
+                  if made is not None and made == base + suffix and k != kernel), None)
+    if other:
+        return (f"; its int8 vectors came from {other}, this job's from {kernel}: "
+                f"int8_kernel {other} (--int8-kernel {other}) continues it")
+    if made is None:
+        return (f"; dtype int8 runs through {kernel} here: a set made by the other int8 kernel "
+                "continues with int8_kernel (--int8-kernel) set to that one")
+    return ""

@@ -1,0 +1,154 @@
+"""`--dtype int8` in the fused CPU forward: oneDNN's int8 product for the hidden-wide Linear
+layers (pipeline/int8_linear.py), where this CPU runs it and bf16 natively."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeline.embedder
+from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.embedder import Embedder
+from pipeline.errors import ConfigError, FingerprintError
+from pipeline.fused_bert import FusedBert
+from pipeline.int8_linear import Int8Linear, onednn_int8_available, quantize_uint8
+from tests._flowkit import job, run_library, text_for, write_corpus
+
+TEXTS = [text_for(i) for i in range(40)]
+needs_int8 = pytest.mark.skipif(not onednn_int8_available(),
+                                reason="no oneDNN int8 product or no native bf16 on this CPU")
+
+
+def _embedder(model: Path, dtype: str, *poolers: PoolerSpec) -> Embedder:
+    return Embedder(EncoderConfig(model=str(model), dtype=dtype, device="cpu"),
+                    list(poolers) or [PoolerSpec(name="mean")])
+
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_uint8_rounds_within_half_a_step(dtype: torch.dtype) -> None:
+    x = (torch.randn(64, 48) * 3 + 1).to(dtype)
+    q, scale, zero = quantize_uint8(x)
+    assert q.dtype == torch.uint8 and 0 <= zero <= 255
+    back = (q.float() - zero) * scale
+    assert (back - x.float()).abs().max() <= scale / 2 + 1e-4
+    assert int(q.min()) == 0 and int(q.max()) == 255  # the whole range used
+    zeros, scale0, zero0 = quantize_uint8(torch.zeros(4, 8))  # no range: any scale, all zero
+    assert scale0 > 0 and bool(((zeros.float() - zero0) * scale0 == 0).all())
+    positive, _, zero_p = quantize_uint8(torch.rand(4, 8) + 1)  # the range widened to hold 0
+    assert zero_p == 0 and int(positive.min()) > 0
+
+
+@needs_int8
+@pytest.mark.parametrize("gelu", [None, "none", "tanh"])
+def test_int8_linear_is_the_product_within_quantization_error(gelu: str | None) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160)
+    x = torch.randn(3, 17, 96)
+    expected = linear(x)
+    if gelu:
+        expected = F.gelu(expected, approximate=gelu)
+    out = Int8Linear(linear, gelu=gelu)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 17, 160)
+    error = (out.float() - expected).norm() / expected.norm()
+    assert error < 0.03
+
+
+@needs_int8
+def test_int8_runs_fused_close_to_fp32_with_its_own_fingerprint(
+    tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # not needed: not imported at all
+    fp32, int8 = _embedder(tiny_model_dir, "fp32"), _embedder(tiny_model_dir, "int8")
+    model = int8.encoder.model
+    assert isinstance(model, FusedBert) and model.int8 and int8.info.dtype == "int8"
+    assert all(isinstance(layer.qkv, Int8Linear) and isinstance(layer.up, Int8Linear)
+               and layer.down.weight.dtype == torch.bfloat16 for layer in model.layers)
+    a, b = fp32.encode(TEXTS), int8.encode(TEXTS)
+    cosine = np.sum(a * b, axis=1)  # both normalised
+    assert cosine.min() > 0.95
+    assert not np.allclose(a, b, atol=1e-6)  # the vectors really changed...
+    assert int8.fingerprint("mean") != fp32.fingerprint("mean")  # ...so the set is another
+    assert int8.info.model_hash == f"{fp32.info.model_hash}-onednn-int8"
+    np.testing.assert_array_equal(b, int8.encode(TEXTS))  # the same batches: the same vectors
+    assert not (cache / "onnx-int8").exists()  # no ONNX export
+
+
+@needs_int8
+def test_int8_fused_gives_every_layer_to_layer_poolers(tiny_model_dir: Path, cache: Path
+                                                      ) -> None:
+    spec = PoolerSpec(name="layers", strategy="mean", layers=(0, 1, -1))
+    fp32, int8 = _embedder(tiny_model_dir, "fp32", spec), _embedder(tiny_model_dir, "int8", spec)
+    cosine = np.sum(fp32.encode(TEXTS) * int8.encode(TEXTS), axis=1)
+    assert cosine.min() > 0.95
+
+
+@needs_int8
+def test_int8_fused_and_onnx_runtime_are_different_sets(
+    tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fused = _embedder(tiny_model_dir, "int8")
+    monkeypatch.setattr("pipeline.int8_linear.onednn_int8_available", lambda: False)
+    onnx = _embedder(tiny_model_dir, "int8")
+    assert not isinstance(onnx.encoder.model, FusedBert)
+    assert fused.fingerprint("mean") != onnx.fingerprint("mean")
+    cosine = np.sum(fused.encode(TEXTS) * onnx.encode(TEXTS), axis=1)
+    assert cosine.min() > 0.95
+
+
+def test_int8_kernel_is_only_for_int8_and_onednn_says_why_it_cannot_run(
+    tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="int8_kernel onednn is for dtype int8, not fp32"):
+        EncoderConfig(dtype="fp32", int8_kernel="onednn")
+    monkeypatch.setattr("pipeline.int8_linear.onednn_int8_available", lambda: False)
+    with pytest.raises(ConfigError, match="int8_kernel onednn cannot run here: this CPU"):
+        Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="int8", int8_kernel="onednn",
+                               device="cpu"), [PoolerSpec(name="mean")])
+
+
+@needs_int8
+def test_onnxruntime_is_chosen_where_the_fused_int8_path_would_run(
+    tiny_model_dir: Path, cache: Path
+) -> None:
+    onnx = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="int8", device="cpu",
+                                  int8_kernel="onnxruntime"), [PoolerSpec(name="mean")])
+    assert not isinstance(onnx.encoder.model, FusedBert)
+    assert onnx.info.model_hash.endswith("-onnx-int8")
+
+
+@needs_int8
+def test_a_set_made_by_one_int8_kernel_is_never_continued_by_the_other(
+    tmp_path: Path, tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pipeline.embedder, "_CACHE", {})
+    corpus = write_corpus(tmp_path / "c.parquet", list(range(30)),
+                          [text_for(i) for i in range(30)])
+    int8 = {"model": str(tiny_model_dir), "dtype": "int8", "device": "cpu"}
+    onnx = job(corpus, tmp_path / "out", tiny_model_dir,
+               encoder=int8 | {"int8_kernel": "onnxruntime"})
+    run_library(onnx)
+    auto = onnx | {"encoder": int8}  # another job: planned with the model, refused at the claim
+    with pytest.raises(FingerprintError, match="came from onnxruntime, this job's from onednn: "
+                                               "int8_kernel onnxruntime"):
+        run_library(auto)
+
+    other = job(corpus, tmp_path / "other", tiny_model_dir, encoder=int8)  # auto, made where
+    with monkeypatch.context() as elsewhere:  # the fused int8 path does not run
+        elsewhere.setattr(pipeline.embedder, "_CACHE", {})
+        elsewhere.setattr("pipeline.int8_linear.onednn_int8_available", lambda: False)
+        run_library(other)
+    write_corpus(corpus, list(range(40)), [text_for(i) for i in range(40)])
+    with pytest.raises(FingerprintError, match="dtype int8 runs through onednn here"):
+        run_library(other)  # the same job's key: the worker finds the other kernel
+    run_library(onnx | {"out": str(tmp_path / "other")})  # the kernel named: it continues
