@@ -167,7 +167,7 @@ class Encoder:
             else:
                 return "onednn"
             if wanted == "onednn":
-                raise ConfigError(f"int8_kernel onednn cannot run here: {why}; use onnxruntime")
+                raise ConfigError(f"int8_kernel onednn cannot run here: {why}")
         check_onnxruntime()
         return "onnxruntime"
 

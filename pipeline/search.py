@@ -22,6 +22,7 @@ from pipeline.config import EncoderConfig, PoolerSpec, parse
 from pipeline.data import TextBatch
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
+from pipeline.models.hashing import int8_kernel_of
 from pipeline.sets import SetFolder, SetMeta
 from pipeline.snippets import SnippetStore
 from pipeline.vectors import unit_rows
@@ -63,6 +64,9 @@ class QueryEncoder:
         stored = {**info.encoder, "trust_remote_code": trust_remote_code}
         if device:
             stored["device"] = device
+        made_by = int8_kernel_of(info.model_hash)
+        if made_by:  # the int8 kernel that made the set (auto might pick the other one here)
+            stored["int8_kernel"] = made_by
         encoder = parse(EncoderConfig, stored, f"the encoder of set {info.name!r}")
         spec = parse(PoolerSpec, info.pooler, f"the pooler of set {info.name!r}")
         self.embedder = get_embedder(encoder, [spec])

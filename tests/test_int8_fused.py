@@ -152,3 +152,24 @@ def test_a_set_made_by_one_int8_kernel_is_never_continued_by_the_other(
     with pytest.raises(FingerprintError, match="dtype int8 runs through onednn here"):
         run_library(other)  # the same job's key: the worker finds the other kernel
     run_library(onnx | {"out": str(tmp_path / "other")})  # the kernel named: it continues
+
+
+@needs_int8
+def test_queries_of_an_int8_set_run_through_the_kernel_that_made_it(
+    tmp_path: Path, tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.search import QueryEncoder
+    from pipeline.sets import SetFolder
+
+    monkeypatch.setattr(pipeline.embedder, "_CACHE", {})
+    corpus = write_corpus(tmp_path / "c.parquet", list(range(10)),
+                          [text_for(i) for i in range(10)])
+    encoder = {"model": str(tiny_model_dir), "dtype": "int8", "device": "cpu"}
+    with monkeypatch.context() as elsewhere:  # made where auto picks ONNX Runtime
+        elsewhere.setattr("pipeline.int8_linear.onednn_int8_available", lambda: False)
+        run_library(job(corpus, tmp_path / "out", tiny_model_dir, encoder=encoder))
+    meta = SetFolder(str(tmp_path / "out"), "mean").meta()
+    assert meta.model_hash.endswith("-onnx-int8") and meta.encoder["int8_kernel"] == "auto"
+    query = QueryEncoder(meta)  # here auto would pick oneDNN: the set's kernel is kept
+    assert not isinstance(query.embedder.encoder.model, FusedBert)
+    assert query.encode([text_for(3)]).shape == (1, meta.dim)

@@ -103,20 +103,23 @@ def quantized_hash(model_hash: str, int8_kernel: str | None) -> str:
     return model_hash + INT8_SUFFIXES[int8_kernel] if int8_kernel else model_hash
 
 
+def int8_kernel_of(model_hash: str) -> str | None:
+    """The int8 kernel that made vectors of ``model_hash`` (None: not int8)."""
+    return next((k for k, suffix in INT8_SUFFIXES.items() if model_hash.endswith(suffix)), None)
+
+
 def int8_hint(made: str | None, making: str) -> str:
     """Why two model hashes may differ where the int8 kernel is the reason ('' otherwise):
     ``made`` the stored set's (None: not known here), ``making`` this job's."""
-    ran = {kernel for kernel, suffix in INT8_SUFFIXES.items() if making.endswith(suffix)}
-    if not ran:
+    kernel = int8_kernel_of(making)
+    if kernel is None:
         return ""
-    [kernel] = ran
-    base = making.removesuffix(INT8_SUFFIXES[kernel])
-    other = next((k for k, suffix in INT8_SUFFIXES.items()
-                  if made is not None and made == base + suffix and k != kernel), None)
-    if other:
-        return (f"; its int8 vectors came from {other}, this job's from {kernel}: "
-                f"int8_kernel {other} (--int8-kernel {other}) continues it")
     if made is None:
         return (f"; dtype int8 runs through {kernel} here: a set made by the other int8 kernel "
                 "continues with int8_kernel (--int8-kernel) set to that one")
-    return ""
+    other = int8_kernel_of(made)
+    base = making.removesuffix(INT8_SUFFIXES[kernel])
+    if other is None or other == kernel or made.removesuffix(INT8_SUFFIXES[other]) != base:
+        return ""
+    return (f"; its int8 vectors came from {other}, this job's from {kernel}: "
+            f"int8_kernel {other} (--int8-kernel {other}) continues it")
