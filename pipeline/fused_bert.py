@@ -268,30 +268,31 @@ def _under(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
 
 
 def _linear(state: Mapping[str, torch.Tensor], name: str) -> torch.nn.Linear:
-    weight = state[f"{name}.weight"]
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], dtype=weight.dtype)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-        linear.bias.copy_(state[f"{name}.bias"])
-    return linear.requires_grad_(False)
+    return _frozen(torch.nn.Linear, state[f"{name}.weight"], state[f"{name}.bias"])
 
 
 def _layer_norm(state: Mapping[str, torch.Tensor], name: str, eps: float) -> torch.nn.LayerNorm:
-    weight = state[f"{name}.weight"]
-    norm = torch.nn.LayerNorm(weight.shape[0], eps=eps, dtype=weight.dtype)
-    with torch.no_grad():
-        norm.weight.copy_(weight)
-        norm.bias.copy_(state[f"{name}.bias"])
-    return norm.requires_grad_(False)
+    norm = _frozen(torch.nn.LayerNorm, state[f"{name}.weight"], state[f"{name}.bias"])
+    norm.eps = eps
+    return norm
 
 
 def _concat(scaled: list[tuple[torch.nn.Linear, float]]) -> torch.nn.Linear:
     """One Linear computing the outputs of ``scaled``'s Linears side by side, each times its
     scale."""
-    first = scaled[0][0]
-    fused = torch.nn.Linear(first.in_features, sum(lin.out_features for lin, _ in scaled),
-                            device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
-        fused.weight.copy_(torch.cat([lin.weight * scale for lin, scale in scaled]))
-        fused.bias.copy_(torch.cat([lin.bias * scale for lin, scale in scaled]))
-    return fused.requires_grad_(False)
+        weight = torch.cat([lin.weight * scale for lin, scale in scaled])
+        bias = torch.cat([lin.bias * scale for lin, scale in scaled])
+    return _frozen(torch.nn.Linear, weight, bias)
+
+
+def _frozen(kind: type[torch.nn.Module], weight: torch.Tensor, bias: torch.Tensor
+            ) -> torch.nn.Module:
+    """A ``Linear`` or ``LayerNorm`` holding copies of ``weight`` and ``bias``, no gradients;
+    built without the random initialisation its constructor would run (for MiniLM ~0.1 s of
+    each load, all overwritten)."""
+    shape = (weight.shape[1], weight.shape[0]) if kind is torch.nn.Linear else weight.shape[:1]
+    module = kind(*shape, device="meta", dtype=weight.dtype)  # shapes only, no storage
+    module.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+    module.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return module
