@@ -106,7 +106,7 @@ class PeakRss:
         return self.peak / 2**20
 
 
-def load_texts(path: Path, short: int, long: int, seed: int, tokenizer) -> dict[str, list[str]]:
+def load_texts(path: Path, short: int, long: int, seed: int, encoder) -> dict[str, list[str]]:
     """A sample of summaries and, from other summaries, texts of 200-500 tokens."""
     texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
     rng = np.random.default_rng(seed)
@@ -119,7 +119,7 @@ def load_texts(path: Path, short: int, long: int, seed: int, tokenizer) -> dict[
         while count < target:
             text = texts[next(pool)]
             parts.append(text)
-            count += len(tokenizer.tokenize(text))
+            count += len(encoder.tokenize([text])[0])
         longs.append(" ".join(parts))
     return {"short": sample, "long": longs}
 
@@ -237,7 +237,7 @@ def bench(args: argparse.Namespace) -> dict:
         embedder = get_embedder(EncoderConfig(), [PoolerSpec(name="mean")])
     info = embedder.info
     config = embedder.encoder.model.config
-    texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder.tokenizer)
+    texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder)
     reference = None
     if info.dtype != "fp32":
         reference = Embedder(EncoderConfig(dtype="fp32"), [PoolerSpec(name="mean")])

@@ -257,7 +257,7 @@ def bench(args: argparse.Namespace) -> dict:
     print(f"{report['machine']['gpu']}: dense bf16 peak {report['peak_dense_tflops']:.0f} "
           f"TFLOP/s, FFN-shaped {report['peak_ffn_tflops']:.0f}; auto dtype "
           f"{probe.info.dtype}", flush=True)
-    texts = load_texts(args.data, args.short, args.long, args.seed, probe.encoder.tokenizer)
+    texts = load_texts(args.data, args.short, args.long, args.seed, probe.encoder)
     fns = contenders(args, model)
     for name, sample in texts.items():
         measure_set(name, sample, fns, probe, args, report["peak_dense_tflops"], report)

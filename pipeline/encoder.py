@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
-from pipeline.models import loader
+from pipeline.models import loader, recorded
 from pipeline.models.hashing import quantized_hash
 from pipeline.models.head import ModelParts
 from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
@@ -87,9 +87,6 @@ class Encoder:
     own head (Dense, Normalize) and prompts at hand for the poolers that use them."""
 
     def __init__(self, cfg: EncoderConfig, need_attention: bool = False) -> None:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
         self.cfg = cfg
         self.files = loader.read_model_files(cfg.model)
         loader.refuse_remote_code(self.files, cfg.trust_remote_code)
@@ -98,10 +95,9 @@ class Encoder:
         self.folder = self.files.folder
         self.device = choose_device(cfg.device)
         try:
-            config = loader.load_config(self.files, cfg.trust_remote_code)
+            config, self.tokenizer = recorded.load(self.files, cfg.trust_remote_code)
             self.int8_kernel = self._int8_kernel(config)
             self.fp32_kernel = self._fp32_kernel()
-            self.tokenizer = loader.load_tokenizer(self.files, cfg.trust_remote_code)
             self.model, self.fused = self._load_model(config, need_attention)
         except ConfigError:
             raise
@@ -121,9 +117,9 @@ class Encoder:
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.hidden_size = int(self.model.config.hidden_size)
         self.max_length = self._max_length(loader.max_length)
-        self.prefix, self.suffix = self._special_tokens()
+        self.prefix, self.suffix = list(self.tokenizer.prefix), list(self.tokenizer.suffix)
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self._ids = loader.ids_tokenizer(self.tokenizer)
+        self._ids = self.tokenizer.ids_tokenizer()
         self.tokenizer_workers = pool_workers(self.device.type)  # 0: tokenize in this process
         self._pool = None
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
@@ -194,8 +190,10 @@ class Encoder:
         if not (need_attention or self._handed_on) and fusable(config, self.device):
             state = loader.read_bert_weights(self.files, config)
             if state is None:
+                config = loader.transformers_config(config, self.files, trust)
                 state = loader.load_transformer(self.files, trust, eager, config).state_dict()
             return FusedBert(config, state, onednn_fp32=onednn), True
+        config = loader.transformers_config(config, self.files, trust)
         model = loader.load_transformer(self.files, trust, eager, config)
         if onednn:
             from pipeline.onednn import use_onednn_linear
@@ -217,29 +215,19 @@ class Encoder:
             )
         return int(limit)
 
-    def _special_tokens(self) -> tuple[list[int], list[int]]:
-        """Tokens the tokenizer wraps around every sequence ([CLS] ... [SEP] for BERT)."""
-        probe = "hello world"
-        bare = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
-        wrapped = self.tokenizer(probe, add_special_tokens=True)["input_ids"]
-        for at in range(len(wrapped) - len(bare) + 1):
-            if wrapped[at : at + len(bare)] == bare:
-                return list(wrapped[:at]), list(wrapped[at + len(bare) :])
-        raise ModelError(f"cannot tell the special tokens of the tokenizer in {self.folder}")
-
     def _prompt(self, text: str) -> Prompt:
         """``text`` as a Prompt; its length counted as sentence-transformers counts it (the
         prompt tokenized alone, with special tokens, less a trailing special token)."""
         if not text:
             return Prompt()
-        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        full = self.tokenizer(text, truncation=True, max_length=self.max_length)["input_ids"]
-        length = len(full) - (1 if full and full[-1] in self.tokenizer.all_special_ids else 0)
+        ids = tuple(self._ids.encode(text, add_special_tokens=False).ids)
         if len(ids) >= self.content_length:
             raise ConfigError(
                 f"prompt {text!r} takes {len(ids)} tokens: no room for text within max_length "
                 f"{self.max_length}"
             )
+        full = [*self.prefix, *ids, *self.suffix]  # fits: no truncation
+        length = len(full) - (1 if full and full[-1] in self.tokenizer.all_special_ids else 0)
         return Prompt(text, ids, length)
 
     @property

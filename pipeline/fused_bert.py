@@ -57,7 +57,8 @@ def fusable(config, device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available() and not remote
             and config.model_type in FUSABLE_TYPES and config.hidden_act in GELU
             and getattr(config, "position_embedding_type", "absolute") in (None, "absolute")
-            and not config.is_decoder and not getattr(config, "add_cross_attention", False))
+            and not getattr(config, "is_decoder", False)
+            and not getattr(config, "add_cross_attention", False))
 
 
 def weight_shapes(config) -> dict[str, tuple[int, ...]]:

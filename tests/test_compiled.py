@@ -39,7 +39,7 @@ def test_compiled_vectors_match_eager_with_one_graph_for_all_shapes(
 
 
 def test_compile_is_refused_with_int8_in_one_line(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="compile runs the torch model; dtype int8 runs its own int8"):
+    with pytest.raises(ConfigError, match="compile runs the torch model; dtype int8 runs its own"):
         build_job(str(tmp_path / "c.parquet"), str(tmp_path / "out"), dtype="int8", compile=True)
 
 

@@ -56,10 +56,13 @@ def test_mean_matches_sentence_transformers(texts: list[str], ours: Embedder, mi
     assert np.abs(got - expected).max() < 1e-5
 
 
-def test_cls_and_max_match_last_hidden_state(texts: list[str], ours: Embedder) -> None:
+def test_cls_and_max_match_last_hidden_state(texts: list[str], ours: Embedder, minilm_dir
+                                              ) -> None:
+    from transformers import AutoTokenizer
+
     sample = texts[:40] + texts[-4:]
     got = ours.embed(TextBatch(list(range(len(sample))), sample)).vectors
-    tok, model = ours.encoder.tokenizer, ours.encoder.model
+    tok, model = AutoTokenizer.from_pretrained(str(minilm_dir)), ours.encoder.model
     for i, text in enumerate(sample):
         enc = tok(text, truncation=True, max_length=256, return_tensors="pt")
         with torch.no_grad():

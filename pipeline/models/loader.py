@@ -85,6 +85,7 @@ def refuse_remote_code(files: ModelFiles, trust_remote_code: bool) -> None:
 
 def load_tokenizer(files: ModelFiles, trust_remote_code: bool):
     """The fast tokenizer with the Transformer's tokenizer arguments and lower-casing."""
+    _quiet_transformers()
     from transformers import AutoTokenizer
 
     kwargs = dict(files.transformer.tokenizer_args)
@@ -99,18 +100,6 @@ def load_tokenizer(files: ModelFiles, trust_remote_code: bool):
     if files.transformer.do_lower_case:
         _lower_case(tokenizer)
     return tokenizer
-
-
-def ids_tokenizer(tokenizer):
-    """The Rust tokenizer behind ``tokenizer``, as its own copy that never truncates or pads:
-    what the fast tokenizer's ``__call__`` runs for token ids, without building Python dicts
-    of every output. ``encode_batch_fast`` on it skips the character offsets nobody reads."""
-    from tokenizers import Tokenizer
-
-    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    backend.no_truncation()
-    backend.no_padding()
-    return backend
 
 
 def _lower_case(tokenizer) -> None:
@@ -130,20 +119,33 @@ def _lower_case(tokenizer) -> None:
     backend.normalizer = NormalizerSequence(steps)
 
 
-def load_config(files: ModelFiles, trust_remote_code: bool):
-    """The transformer's config (with the Transformer module's config arguments). Called
-    first, it also readies torch's CPU kernels and TorchInductor's cache dir, which must
-    happen before torch's first CPU kernel and transformers' import (see ``pipeline.hardware``,
-    ``pipeline.compiled``)."""
+def ready_kernels() -> None:
+    """Ready torch's CPU kernels and TorchInductor's cache dir: before a model's first load
+    step, since both must happen before torch's first CPU kernel and transformers' import (see
+    ``pipeline.hardware``, ``pipeline.compiled``)."""
     from pipeline.compiled import place_kernel_cache
     from pipeline.hardware import prepare_cpu_kernels
 
     prepare_cpu_kernels()
     place_kernel_cache()
+
+
+def load_config(files: ModelFiles, trust_remote_code: bool):
+    """The transformer's config (with the Transformer module's config arguments)."""
+    ready_kernels()
+    _quiet_transformers()
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(files.transformer_dir), **files.transformer.config_args,
                                       **_hub(trust_remote_code))
+
+
+def transformers_config(config, files: ModelFiles, trust_remote_code: bool):
+    """``config`` as transformers' own object (a recorded one is loaded again): what
+    transformers' model classes need."""
+    from pipeline.models.recorded import RecordedConfig
+
+    return load_config(files, trust_remote_code) if isinstance(config, RecordedConfig) else config
 
 
 def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool, config):
@@ -154,6 +156,8 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool, co
     stored dtype, so an fp16-saved model would otherwise run fp16 products where the run says
     fp32 (on a CPU, slowly); ``pipeline.precision`` chooses the dtype the products run in."""
     import torch
+
+    _quiet_transformers()
     from transformers import AutoModel
 
     attn = "eager" if eager else "sdpa"
@@ -196,6 +200,13 @@ _PASSED_ON = ("attn_implementation", "local_files_only", "dtype", "torch_dtype")
 
 def _model_args(files: ModelFiles) -> dict:
     return {k: v for k, v in files.transformer.model_args.items() if k not in _PASSED_ON}
+
+
+def _quiet_transformers() -> None:
+    """No download progress bars from transformers (nothing downloads: local files only)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
 
 def _hub(trust_remote_code: bool) -> dict:
