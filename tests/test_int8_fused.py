@@ -3,7 +3,9 @@ layers (pipeline/int8_linear.py), where this CPU runs it and bf16 natively."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,15 +20,10 @@ from pipeline.errors import ConfigError, FingerprintError
 from pipeline.fused_bert import FusedBert
 from pipeline.int8_linear import Int8Linear, onednn_int8_available, quantize_uint8
 from tests._flowkit import job, run_library, text_for, write_corpus
+from tests._int8 import TEXTS, check_int8_vectors, embedder
 
-TEXTS = [text_for(i) for i in range(40)]
 needs_int8 = pytest.mark.skipif(not onednn_int8_available(),
                                 reason="no oneDNN int8 product or no native bf16 on this CPU")
-
-
-def _embedder(model: Path, dtype: str, *poolers: PoolerSpec) -> Embedder:
-    return Embedder(EncoderConfig(model=str(model), dtype=dtype, device="cpu"),
-                    list(poolers) or [PoolerSpec(name="mean")])
 
 
 @pytest.fixture()
@@ -69,17 +66,12 @@ def test_int8_runs_fused_close_to_fp32_with_its_own_fingerprint(
     tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # not needed: not imported at all
-    fp32, int8 = _embedder(tiny_model_dir, "fp32"), _embedder(tiny_model_dir, "int8")
+    fp32, int8 = embedder(tiny_model_dir, "fp32"), embedder(tiny_model_dir, "int8")
     model = int8.encoder.model
-    assert isinstance(model, FusedBert) and model.int8 and int8.info.dtype == "int8"
+    assert isinstance(model, FusedBert) and model.int8
     assert all(isinstance(layer.qkv, Int8Linear) and isinstance(layer.up, Int8Linear)
                and layer.down.weight.dtype == torch.bfloat16 for layer in model.layers)
-    a, b = fp32.encode(TEXTS), int8.encode(TEXTS)
-    cosine = np.sum(a * b, axis=1)  # both normalised
-    assert cosine.min() > 0.95
-    assert not np.allclose(a, b, atol=1e-6)  # the vectors really changed...
-    assert int8.fingerprint("mean") != fp32.fingerprint("mean")  # ...so the set is another
-    assert int8.info.model_hash == f"{fp32.info.model_hash}-onednn-int8"
+    b = check_int8_vectors(fp32, int8, "-onednn-int8")
     np.testing.assert_array_equal(b, int8.encode(TEXTS))  # the same batches: the same vectors
     assert not (cache / "onnx-int8").exists()  # no ONNX export
 
@@ -88,7 +80,7 @@ def test_int8_runs_fused_close_to_fp32_with_its_own_fingerprint(
 def test_int8_fused_gives_every_layer_to_layer_poolers(tiny_model_dir: Path, cache: Path
                                                       ) -> None:
     spec = PoolerSpec(name="layers", strategy="mean", layers=(0, 1, -1))
-    fp32, int8 = _embedder(tiny_model_dir, "fp32", spec), _embedder(tiny_model_dir, "int8", spec)
+    fp32, int8 = embedder(tiny_model_dir, "fp32", spec), embedder(tiny_model_dir, "int8", spec)
     cosine = np.sum(fp32.encode(TEXTS) * int8.encode(TEXTS), axis=1)
     assert cosine.min() > 0.95
 
@@ -97,9 +89,9 @@ def test_int8_fused_gives_every_layer_to_layer_poolers(tiny_model_dir: Path, cac
 def test_int8_fused_and_onnx_runtime_are_different_sets(
     tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fused = _embedder(tiny_model_dir, "int8")
+    fused = embedder(tiny_model_dir, "int8")
     monkeypatch.setattr("pipeline.int8_linear.onednn_int8_available", lambda: False)
-    onnx = _embedder(tiny_model_dir, "int8")
+    onnx = embedder(tiny_model_dir, "int8")
     assert not isinstance(onnx.encoder.model, FusedBert)
     assert fused.fingerprint("mean") != onnx.fingerprint("mean")
     cosine = np.sum(fused.encode(TEXTS) * onnx.encode(TEXTS), axis=1)
@@ -127,13 +119,26 @@ def test_onnxruntime_is_chosen_where_the_fused_int8_path_would_run(
     assert onnx.info.model_hash.endswith("-onnx-int8")
 
 
+@contextlib.contextmanager
+def _where_auto_picks_onnx_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """As on a machine without the fused int8 path (with its own loaded models)."""
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setattr(pipeline.embedder, "_CACHE", {})
+        elsewhere.setattr("pipeline.int8_linear.onednn_int8_available", lambda: False)
+        yield
+
+
+def _corpus(tmp_path: Path, rows: int) -> Path:
+    return write_corpus(tmp_path / "c.parquet", list(range(rows)),
+                        [text_for(i) for i in range(rows)])
+
+
 @needs_int8
 def test_a_set_made_by_one_int8_kernel_is_never_continued_by_the_other(
     tmp_path: Path, tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(pipeline.embedder, "_CACHE", {})
-    corpus = write_corpus(tmp_path / "c.parquet", list(range(30)),
-                          [text_for(i) for i in range(30)])
+    corpus = _corpus(tmp_path, 30)
     int8 = {"model": str(tiny_model_dir), "dtype": "int8", "device": "cpu"}
     onnx = job(corpus, tmp_path / "out", tiny_model_dir,
                encoder=int8 | {"int8_kernel": "onnxruntime"})
@@ -143,10 +148,8 @@ def test_a_set_made_by_one_int8_kernel_is_never_continued_by_the_other(
                                                "int8_kernel onnxruntime"):
         run_library(auto)
 
-    other = job(corpus, tmp_path / "other", tiny_model_dir, encoder=int8)  # auto, made where
-    with monkeypatch.context() as elsewhere:  # the fused int8 path does not run
-        elsewhere.setattr(pipeline.embedder, "_CACHE", {})
-        elsewhere.setattr("pipeline.int8_linear.onednn_int8_available", lambda: False)
+    other = job(corpus, tmp_path / "other", tiny_model_dir, encoder=int8)
+    with _where_auto_picks_onnx_runtime(monkeypatch):
         run_library(other)
     write_corpus(corpus, list(range(40)), [text_for(i) for i in range(40)])
     with pytest.raises(FingerprintError, match="dtype int8 runs through onednn here"):
@@ -161,13 +164,10 @@ def test_queries_of_an_int8_set_run_through_the_kernel_that_made_it(
     from pipeline.search import QueryEncoder
     from pipeline.sets import SetFolder
 
-    monkeypatch.setattr(pipeline.embedder, "_CACHE", {})
-    corpus = write_corpus(tmp_path / "c.parquet", list(range(10)),
-                          [text_for(i) for i in range(10)])
     encoder = {"model": str(tiny_model_dir), "dtype": "int8", "device": "cpu"}
-    with monkeypatch.context() as elsewhere:  # made where auto picks ONNX Runtime
-        elsewhere.setattr("pipeline.int8_linear.onednn_int8_available", lambda: False)
-        run_library(job(corpus, tmp_path / "out", tiny_model_dir, encoder=encoder))
+    with _where_auto_picks_onnx_runtime(monkeypatch):
+        run_library(job(_corpus(tmp_path, 10), tmp_path / "out", tiny_model_dir,
+                        encoder=encoder))
     meta = SetFolder(str(tmp_path / "out"), "mean").meta()
     assert meta.model_hash.endswith("-onnx-int8") and meta.encoder["int8_kernel"] == "auto"
     query = QueryEncoder(meta)  # here auto would pick oneDNN: the set's kernel is kept

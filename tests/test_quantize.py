@@ -16,14 +16,8 @@ from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError
 from pipeline.quantize import OnnxInt8Model
-from tests._flowkit import text_for
-
-TEXTS = [text_for(i) for i in range(40)]
-
-
-def _embedder(model: Path, dtype: str, *poolers: PoolerSpec) -> Embedder:
-    return Embedder(EncoderConfig(model=str(model), dtype=dtype, device="cpu"),
-                    list(poolers) or [PoolerSpec(name="mean")])
+from tests._int8 import TEXTS, check_int8_vectors
+from tests._int8 import embedder as _embedder
 
 
 @pytest.fixture()
@@ -36,14 +30,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_int8_runs_in_onnx_runtime_close_to_fp32(tiny_model_dir: Path, cache: Path) -> None:
     fp32, int8 = _embedder(tiny_model_dir, "fp32"), _embedder(tiny_model_dir, "int8")
-    assert int8.info.dtype == "int8"
     assert isinstance(int8.encoder.model, OnnxInt8Model)
-    a, b = fp32.encode(TEXTS), int8.encode(TEXTS)
-    cosine = np.sum(a * b, axis=1)  # both normalised
-    assert cosine.min() > 0.95
-    assert not np.allclose(a, b, atol=1e-6)  # the vectors really changed...
-    assert int8.fingerprint("mean") != fp32.fingerprint("mean")  # ...so the set is another
-    assert int8.info.model_hash == f"{fp32.info.model_hash}-onnx-int8"
+    check_int8_vectors(fp32, int8, "-onnx-int8")
     assert len(list(cache.glob("*.onnx"))) == 1  # the int8 model, kept for the next start
 
 
