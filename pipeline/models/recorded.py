@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,7 @@ class TokenizerFacts:
     suffix: tuple[int, ...]  # and after it ([SEP])
 
     @classmethod
-    def of(cls, tokenizer, folder: object) -> TokenizerFacts:
+    def of(cls, tokenizer, folder: Path) -> TokenizerFacts:
         """The facts of a loaded transformers fast tokenizer."""
         bare = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
         wrapped = tokenizer(PROBE, add_special_tokens=True)["input_ids"]
@@ -97,7 +98,7 @@ def load(files: ModelFiles, trust_remote_code: bool) -> tuple[Any, TokenizerFact
     return config, facts
 
 
-def _read(path) -> tuple[RecordedConfig, TokenizerFacts] | None:
+def _read(path: Path) -> tuple[RecordedConfig, TokenizerFacts] | None:
     try:
         record = json.loads(path.read_text())
         if record.get("schema") != SCHEMA:
