@@ -173,3 +173,18 @@ def test_queries_of_an_int8_set_run_through_the_kernel_that_made_it(
     query = QueryEncoder(meta)  # here auto would pick oneDNN: the set's kernel is kept
     assert not isinstance(query.embedder.encoder.model, FusedBert)
     assert query.encode([text_for(3)]).shape == (1, meta.dim)
+
+
+def test_int8_kernel_comes_from_flags_and_config_files_like_any_option(tmp_path: Path) -> None:
+    from pipeline.assembly import build_job
+
+    corpus, out = str(tmp_path / "c.parquet"), str(tmp_path / "out")
+    job_ = build_job(corpus, out, dtype="int8", int8_kernel="onnxruntime")
+    assert job_.encoder.int8_kernel == "onnxruntime"
+    toml = tmp_path / "job.toml"
+    toml.write_text('[encoder]\ndtype = "int8"\nint8_kernel = "onednn"\n')
+    assert build_job(corpus, out, config=str(toml)).encoder.int8_kernel == "onednn"
+    flag_wins = build_job(corpus, out, config=str(toml), int8_kernel="auto")
+    assert flag_wins.encoder.int8_kernel == "auto"
+    with pytest.raises(ConfigError, match="int8_kernel onednn is for dtype int8, not fp32"):
+        build_job(corpus, out, config=str(toml), dtype="fp32")
