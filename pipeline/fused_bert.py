@@ -290,8 +290,8 @@ def _concat(scaled: list[tuple[torch.nn.Linear, float]]) -> torch.nn.Linear:
 def _frozen(kind: type[torch.nn.Module], weight: torch.Tensor, bias: torch.Tensor
             ) -> torch.nn.Module:
     """A ``Linear`` or ``LayerNorm`` holding copies of ``weight`` and ``bias``, no gradients;
-    built without the random initialisation its constructor would run (for MiniLM ~0.1 s of
-    each load, all overwritten)."""
+    built without the random initialisation its constructor would run, all of it overwritten
+    (MiniLM's build: 0.061 -> 0.024 s)."""
     shape = (weight.shape[1], weight.shape[0]) if kind is torch.nn.Linear else weight.shape[:1]
     module = kind(*shape, device="meta", dtype=weight.dtype)  # shapes only, no storage
     module.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
