@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.config import EmbedJob, load_toml, parse
+from pipeline.config import EmbedJob, EncoderConfig, load_toml, parse
 from pipeline.errors import ConfigError
 
 ENCODER_OPTIONS = ("model", "device", "dtype", "int8_kernel", "max_length", "compile")
@@ -51,7 +51,7 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
     chosen = {k: v for k, v in options.items() if v is not None}
     file = load_toml(config) if config else {}
     encoder = dict(file.pop("encoder", {}))
-    for key in ("model", "device", "dtype", "max_length", "window"):
+    for key in EncoderConfig.model_fields:  # [encoder] keys may stand at the top level too
         if key in file:
             encoder[key] = file.pop(key)
     defined = {p.get("name"): p for p in file.pop("poolers", [])}

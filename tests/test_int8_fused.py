@@ -188,3 +188,6 @@ def test_int8_kernel_comes_from_flags_and_config_files_like_any_option(tmp_path:
     assert flag_wins.encoder.int8_kernel == "auto"
     with pytest.raises(ConfigError, match="int8_kernel onednn is for dtype int8, not fp32"):
         build_job(corpus, out, config=str(toml), dtype="fp32")
+    toml.write_text('dtype = "int8"\nint8_kernel = "onnxruntime"\nprompt_name = ""\n')
+    top = build_job(corpus, out, config=str(toml)).encoder  # encoder keys at the top level
+    assert (top.int8_kernel, top.prompt_name) == ("onnxruntime", "")
