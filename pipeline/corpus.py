@@ -2,7 +2,7 @@
 
 Only the id and text columns are ever read, one row group at a time, so memory is bounded
 by the largest row group, never by the corpus. Every row is either handed on (valid id,
-non-blank string text) or skipped with a reason from ``SKIP_REASONS``; nothing disappears.
+non-blank string text) or skipped with a ``SkipReason``; nothing disappears.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +22,7 @@ from pipeline import storage
 from pipeline.errors import CorpusError, StorageError
 from pipeline.shards import FileLayout, Shard
 
-SKIP_REASONS = ("null_id", "null_text", "not_string", "empty_text", "duplicate_id")
+SkipReason = Literal["null_id", "null_text", "not_string", "empty_text", "duplicate_id"]
 _GLOB = "*?["
 
 
@@ -295,7 +296,7 @@ def _decode(value: bytes | None) -> object:
         return _NOT_STRING
 
 
-def _reason(id_null: bool, duplicate: bool, text: object) -> str | None:
+def _reason(id_null: bool, duplicate: bool, text: object) -> SkipReason | None:
     if id_null:
         return "null_id"
     if duplicate:

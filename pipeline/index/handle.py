@@ -7,8 +7,6 @@ import numpy as np
 
 from pipeline.index.idmap import IdMap
 
-TUNABLE = ("nprobe", "efSearch")
-
 
 def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
     try:
