@@ -63,6 +63,7 @@ from bench.speed import cpu_flags  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder, get_embedder  # noqa: E402
+from pipeline.torch_thread import on_torch_thread  # noqa: E402
 from pipeline.vectors import row_cosines  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "pypi_summaries_200k.parquet"
@@ -241,9 +242,12 @@ def bench(args: argparse.Namespace) -> dict:
     reference = None
     if info.dtype != "fp32":
         reference = Embedder(EncoderConfig(dtype="fp32"), [PoolerSpec(name="mean")])
-    st = SentenceTransformer(str(get_model_path()), device=info.device)
+    # sentence-transformers and the peak run on the one thread that runs torch here too:
+    # libgomp slows every thread's kernels once a second Python thread has run one
+    # (pipeline/torch_thread.py), as a user's script, alone in its process, never sees
+    st = on_torch_thread(SentenceTransformer, str(get_model_path()), device=info.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
-    peak = matmul_peak(dtype, config.hidden_size, config.intermediate_size)
+    peak = on_torch_thread(matmul_peak, dtype, config.hidden_size, config.intermediate_size)
     report["encoder"] = info.__dict__ | {"token_budget": embedder.encoder.token_budget,
                                          "max_batch_rows": embedder.encoder.max_batch_rows,
                                          "fp32_kernel": embedder.encoder.fp32_kernel,
@@ -251,7 +255,7 @@ def bench(args: argparse.Namespace) -> dict:
     unfused = unfused_embedder(info.dtype) if args.unfused else None
     report["matmul_peak_gflops"] = peak
     # warm both
-    st.encode(texts["short"][:64])
+    on_torch_thread(st.encode, texts["short"][:64])
     embedder.encode(texts["short"][:64])
     report["sets"] = {}
     for name, sample in texts.items():
@@ -266,7 +270,7 @@ def bench(args: argparse.Namespace) -> dict:
         rss = {"a": 0.0, "b": 0.0}
         for _ in range(args.rounds):
             with PeakRss() as watch:
-                vec_a, sec = timed(lambda s=sample: st.encode(s))
+                vec_a, sec = timed(lambda s=sample: on_torch_thread(st.encode, s))
             best_a, rss["a"] = min(best_a, sec), max(rss["a"], watch.mib)
             with PeakRss() as watch:
                 vec_b, sec = timed(lambda s=sample: embedder.encode(s))

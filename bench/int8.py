@@ -45,6 +45,7 @@ def main() -> int:
     from pipeline.config import EncoderConfig, PoolerSpec
     from pipeline.embedder import Embedder
     from pipeline.int8_linear import onednn_int8_available
+    from pipeline.torch_thread import on_torch_thread
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=1000)
@@ -53,7 +54,7 @@ def main() -> int:
     frame = pl.read_parquet(DATA).unique("package", keep="first", maintain_order=True)
     frame = frame.head(args.docs)
     texts, names = frame["text"].to_list(), frame["package"].to_list()
-    peak = matmul_gflops()
+    peak = on_torch_thread(matmul_gflops)  # torch on one thread only: see pipeline/torch_thread.py
     result: dict = {"cpu_flags": cpu_flags(), "fp32_matmul_gflops": round(peak, 1),
                     "docs": len(texts)}
     vectors = {}
