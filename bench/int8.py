@@ -46,6 +46,7 @@ def main() -> int:
     from pipeline.embedder import Embedder
     from pipeline.int8_linear import onednn_int8_available
     from pipeline.torch_thread import on_torch_thread
+    from pipeline.vectors import row_cosines
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=1000)
@@ -84,7 +85,7 @@ def main() -> int:
         result[f"{dtype}_docs_per_s"] = round(len(texts) / best[dtype], 1)
         result[f"{dtype}_recall_at_10"] = recall_at_10(vectors[dtype][1], vectors[dtype][0])
     for int8 in (name for name in runs if name.startswith("int8")):
-        cos = np.sum(vectors["fp32"][0] * vectors[int8][0], axis=1)
+        cos = row_cosines(vectors["fp32"][0], vectors[int8][0])
         result[f"cosine_{int8}_fp32_min"] = round(float(cos.min()), 4)
         result[f"cosine_{int8}_fp32_mean"] = round(float(cos.mean()), 4)
         for base in ("fp32", "auto"):

@@ -93,9 +93,11 @@ class Encoder:
         if cfg.dtype == INT8:  # before the model loads
             check_int8(need_attention)
         self.folder = self.files.folder
+        self.files_hash = self.files.model_hash()  # walks and stats the model's files: once
         self.device = choose_device(cfg.device)
         try:
-            config, self.tokenizer = recorded.load(self.files, cfg.trust_remote_code)
+            config, self.tokenizer = recorded.load(self.files, self.files_hash,
+                                                   cfg.trust_remote_code)
             self.int8_kernel = self._int8_kernel(config)
             self.fp32_kernel = self._fp32_kernel()
             self.model, self.fused = self._load_model(config, need_attention)
@@ -127,7 +129,6 @@ class Encoder:
         self.document_prompt = self._prompt(prompts.document(cfg.prompt_name))
         self.query_prompt = self._prompt(prompts.query(cfg.query_prompt_name))
         self.dtype, self.compiled = "fp32", False  # the dtype check runs the eager model
-        self.files_hash = self.files.model_hash()  # walks and stats the model's files: once
         runner = "fused" if self.fused else self.model.config._attn_implementation
         model_key = f"{self.files_hash}-{runner}-{self.fp32_kernel}"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)

@@ -79,13 +79,16 @@ class RecordedConfig(SimpleNamespace):
     own model is needed."""
 
 
-def load(files: ModelFiles, trust_remote_code: bool) -> tuple[Any, TokenizerFacts]:
-    """(config, tokenizer facts) of the model in ``files``: from the record where one holds,
-    else through transformers (and recorded, unless the model may run its own code)."""
+def load(files: ModelFiles, files_hash: str, trust_remote_code: bool
+         ) -> tuple[Any, TokenizerFacts]:
+    """(config, tokenizer facts) of the model in ``files`` (whose ``model_hash()`` is
+    ``files_hash``): from the record where one holds, else through transformers (and
+    recorded, unless the model may run its own code)."""
     from pipeline.models import loader
 
     loader.ready_kernels()
-    path = None if trust_remote_code else cache_root() / "recorded" / f"{_key(files)}.json"
+    key = None if trust_remote_code else _key(files, files_hash)
+    path = cache_root() / "recorded" / f"{key}.json" if key else None
     record = _read(path) if path else None
     if record is not None:
         return record
@@ -110,10 +113,10 @@ def _read(path: Path) -> tuple[RecordedConfig, TokenizerFacts] | None:
         return None  # absent, unreadable or of another layout: load through transformers
 
 
-def _key(files: ModelFiles) -> str:
+def _key(files: ModelFiles, files_hash: str) -> str:
     folder = files.transformer_dir
     stats = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                    for p in folder.iterdir() if p.is_file())
-    return stable_hash([str(folder.resolve()), stats, files.model_hash(),
+    return stable_hash([str(folder.resolve()), stats, files_hash,
                         asdict(files.transformer), version("transformers"),
                         version("tokenizers"), SCHEMA])
