@@ -9,9 +9,12 @@ runs them and bf16 natively) and ``onnxruntime`` (the encoder in ONNX Runtime wi
 weights, pipeline/quantize.py). Prints the docs/s ratios, the seconds the first batch took (for
 ONNX Runtime with an empty cache: export, fusion and quantization), the cosine between each
 document's int8 and fp32 vectors (min / mean), and recall@10 of a retrieval task on the same
-data with each: the query is the package name, the relevant document its summary. CPU flags
-printed beside. Each is timed over ``--rounds`` interleaved rounds, the best counting (the
-machine is shared). ``int8`` in the output is what ``--dtype int8`` runs here by default.
+data with each: the query is the package name, the relevant document its summary; and how far
+a text's vector moves with its batch-mates (the same texts encoded again in a shuffled order:
+min / mean cosine of each text's two vectors; int8 quantizes each product's input with one
+scale over the batch). CPU flags printed beside. Each is timed over ``--rounds`` interleaved
+rounds, the best counting (the machine is shared). ``int8`` in the output is what ``--dtype
+int8`` runs here by default.
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ def recall_at_10(queries: np.ndarray, docs: np.ndarray) -> float:
     gold = scores[np.arange(len(scores)), np.arange(len(scores))]
     ranks = 1 + (scores > gold[:, None]).sum(axis=1)  # 1-based rank of the relevant doc
     return score_gold_ranks(ranks, 10)["recall@10"]
+
+
+def batch_mates_cosine(embedder, texts: list[str], docs: np.ndarray) -> tuple[float, float]:
+    """(min, mean) cosine between each text's vector in ``docs`` and its vector when the same
+    texts are encoded in a shuffled order (other batch-mates, other padding)."""
+    from pipeline.vectors import row_cosines
+
+    order = np.random.default_rng(0).permutation(len(texts))
+    shuffled = np.empty_like(docs)
+    shuffled[order] = embedder.encode([texts[i] for i in order])
+    cos = row_cosines(docs, shuffled)
+    return round(float(cos.min()), 4), round(float(cos.mean()), 5)
 
 
 def main() -> int:
@@ -84,6 +99,8 @@ def main() -> int:
     for dtype in runs:
         result[f"{dtype}_docs_per_s"] = round(len(texts) / best[dtype], 1)
         result[f"{dtype}_recall_at_10"] = recall_at_10(vectors[dtype][1], vectors[dtype][0])
+        result[f"{dtype}_batch_mates_cosine_min_mean"] = batch_mates_cosine(
+            embedders[dtype], texts, vectors[dtype][0])
     for int8 in (name for name in runs if name.startswith("int8")):
         cos = row_cosines(vectors["fp32"][0], vectors[int8][0])
         result[f"cosine_{int8}_fp32_min"] = round(float(cos.min()), 4)

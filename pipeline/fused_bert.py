@@ -11,10 +11,10 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
   the query weights once), one cast of the residual stream per product;
 * GELU in the product's epilogue (oneDNN's fused ``linear_pointwise``; fp32 through oneDNN only
   where ``pipeline.onednn`` measured it faster than MKL, else ``F.linear`` then ``F.gelu``);
-* attention as two batched products around a softmax (the padding mask added inside the first
-  product, none for a batch without padding), over blocks of rows whose score tensor stays
-  within ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a width and dtype where torch's
-  kernel is fast (see ``attend``).
+* attention as two batched products around a softmax (the padding mask, built once a
+  forward, added inside the first product; none for a batch without padding), over blocks of
+  rows whose score tensor stays within ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a
+  width and dtype where torch's kernel is fast (see ``attend``).
 
 The residual stream, LayerNorms and returned states stay fp32, as under autocast. The weights
 are the model's own ``BertModel`` state dict (only query/key/value are concatenated), read by
@@ -202,7 +202,7 @@ class FusedBert(torch.nn.Module):
             dtype = torch.float32
         with torch.autocast("cpu", enabled=False):
             x = self.embeddings(input_ids, token_type_ids).float()
-            bias = _mask_bias(attention_mask, dtype)
+            bias = attention_bias(attention_mask, dtype)
             states = [x]
             for layer in self.layers:
                 x = layer(x, bias, dtype)
@@ -213,17 +213,17 @@ class FusedBert(torch.nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
            ) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
-    [rows, 1, 1, tokens] in q's dtype, None where no token is masked) as [rows, tokens, heads x
-    head], in blocks of rows whose scores fit ``SCORE_BLOCK_BYTES``.
+    from ``attention_bias``: [rows, 1, 1, keys] in q's dtype, keys >= tokens, or None) as
+    [rows, tokens, heads x head], in blocks of rows whose scores fit ``SCORE_BLOCK_BYTES``.
 
     The scores come out of the product rounded to q's dtype; the softmax then runs where
     torch's CPU kernel is fast for the row's width (it computes in fp32 inside either way):
-    rows narrower than ``MIN_KEYS`` run scalar code, so they get masked keys appended, and bf16
-    rows narrower than ``BF16_SOFTMAX_KEYS`` are faster cast to fp32 and back."""
+    k and v get zero keys appended up to the bias's width (masked by it), and bf16 rows
+    narrower than ``BF16_SOFTMAX_KEYS`` are faster cast to fp32 and back."""
     rows, heads, width, dim = q.shape
-    keys = max(width, MIN_KEYS)
+    keys = width if bias is None else bias.shape[-1]
     if keys > width:
-        k, v, bias = _pad_keys(k, v, bias, keys)
+        k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (k, v))
     upcast = q.dtype != torch.float32 and keys < BF16_SOFTMAX_KEYS
     block = max(1, SCORE_BLOCK_BYTES // (q.element_size() * heads * width * keys))
     context = torch.empty((rows, width, heads, dim), dtype=q.dtype)
@@ -241,26 +241,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     return context.view(rows, width, heads * dim)
 
 
-def _pad_keys(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, keys: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """k and v with zero keys appended up to ``keys``, and a bias that masks them."""
-    rows, width = k.shape[0], k.shape[2]
-    k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (k, v))
-    padded = torch.zeros((rows, 1, 1, keys), dtype=k.dtype)
-    padded[..., width:] = torch.finfo(k.dtype).min
-    if bias is not None:
-        padded[..., :width] = bias
-    return k, v, padded
-
-
-def _mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """[rows, 1, 1, tokens]: 0 at real tokens, the most negative ``dtype`` value at padding
-    (not -inf: a row with no real token gets a uniform softmax, as in transformers, not NaNs);
-    None when no token is padding (a batch of texts cut at max_length)."""
-    padding = mask == 0
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """[rows, 1, 1, keys], built once a forward: 0 at real tokens, the most negative ``dtype``
+    value at padding (not -inf: a row with no real token gets a uniform softmax, as in
+    transformers, not NaNs) and at the masked keys that take rows narrower than ``MIN_KEYS``
+    to that width (torch's softmax over fewer than 16 values per row runs scalar code); None
+    where no key is masked (a batch of texts cut at max_length)."""
+    rows, width = mask.shape
+    padding = F.pad(mask == 0, (0, max(0, MIN_KEYS - width)), value=True)
     if not padding.any():
         return None
-    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(padding, torch.finfo(dtype).min)
+    bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, torch.finfo(dtype).min)
     return bias[:, None, None, :]
 
 

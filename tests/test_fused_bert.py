@@ -84,15 +84,18 @@ def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width
     torch.manual_seed(0)
     q, k, v = (torch.randn(7, 3, width, 16) for _ in range(3))
     _, mask = batch(rows=7, width=width)
-    bias = fused_bert._mask_bias(mask, torch.float32)
-    for masked in (bias, None):  # a batch with padding, and one without
-        want = F.scaled_dot_product_attention(q, k, v, attn_mask=masked, scale=1.0)
+    no_padding = torch.ones_like(mask)
+    for case in (mask, no_padding):
+        bias = fused_bert.attention_bias(case, torch.float32)
+        sdpa_mask = None if bias is None else bias[..., :width]
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=1.0)
         want = want.transpose(1, 2).reshape(7, width, 3 * 16)  # [rows, tokens, heads x head]
-        whole = attend(q, k, v, masked)
+        whole = attend(q, k, v, bias)
         torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attend(q, k, v, sdpa_mask), whole, atol=1e-6, rtol=1e-5)
         with monkeypatch.context() as patched:  # 2 rows a block
             patched.setattr(fused_bert, "SCORE_BLOCK_BYTES", 4 * 3 * width * 16 * 2)
-            torch.testing.assert_close(attend(q, k, v, masked), whole, atol=0, rtol=0)
+            torch.testing.assert_close(attend(q, k, v, bias), whole, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("width", [5, 19, 70])  # padded keys; fp32 softmax; bf16 softmax
@@ -100,20 +103,24 @@ def test_bf16_attention_is_close_to_fp32(width: int) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(4, 3, width, 16) for _ in range(3))
     _, mask = batch(rows=4, width=width)
-    want = attend(q, k, v, fused_bert._mask_bias(mask, torch.float32))
-    got = attend(*(t.bfloat16() for t in (q, k, v)), fused_bert._mask_bias(mask, torch.bfloat16))
+    want = attend(q, k, v, fused_bert.attention_bias(mask, torch.float32))
+    got = attend(*(t.bfloat16() for t in (q, k, v)),
+                 fused_bert.attention_bias(mask, torch.bfloat16))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
 
 
-def test_the_padding_bias_is_finite_in_the_compute_dtype_and_absent_without_padding() -> None:
+def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None:
     _, mask = batch(rows=7, width=19)
     for dtype in (torch.float32, torch.bfloat16):
-        bias = fused_bert._mask_bias(mask, dtype)
+        bias = fused_bert.attention_bias(mask, dtype)
         assert bias.dtype == dtype and bias.shape == (7, 1, 1, 19)
         assert torch.isfinite(bias).all() and (bias[:, 0, 0][mask == 0] < -1e38).all()
         assert (bias[:, 0, 0][mask == 1] == 0).all()
-    assert fused_bert._mask_bias(torch.ones(3, 5, dtype=torch.long), torch.bfloat16) is None
+    assert fused_bert.attention_bias(torch.ones(3, 17, dtype=torch.long), torch.bfloat16) is None
+    short = fused_bert.attention_bias(torch.ones(3, 5, dtype=torch.long), torch.bfloat16)
+    assert short.shape == (3, 1, 1, fused_bert.MIN_KEYS)  # keys appended up to MIN_KEYS
+    assert (short[..., :5] == 0).all() and (short[..., 5:] < -1e38).all()
 
 
 @pytest.mark.parametrize(("kind", "overrides", "expected"), [
