@@ -138,9 +138,10 @@ class FusedLayer(torch.nn.Module):
         qkv = self._linear(x, self.qkv, dtype)
         q, k, v = qkv.view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         context = attend(q, k, v, bias)
-        x = self.norm1(self._linear(context, self.out_proj, dtype).float() + x)
+        # fp32 residual + a bf16 product: the add widens inside its loop (no cast pass)
+        x = self.norm1(x + self._linear(context, self.out_proj, dtype))
         inner = self._linear(x, self.up, dtype, activation=True)
-        return self.norm2(self._linear(inner, self.down, dtype).float() + x)
+        return self.norm2(x + self._linear(inner, self.down, dtype))
 
     def to_int8(self) -> None:
         """Query/key/value, the attention output and the FFN's first product (GELU fused) in
