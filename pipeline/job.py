@@ -170,68 +170,109 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     slice while this thread encodes the current one; the parts are written at the end.
     """
     started = time.perf_counter()
-    job, shard = request.job, request.shard
-    stats = ShardStats()
-    previous = {w.name: _Previous(job.out, w.name, w.previous) for w in request.sets}
+    stats, reader = ShardStats(), ShardStats()  # the reader thread keeps its own, added last
+    previous = {w.name: _Previous(request.job.out, w.name, w.previous) for w in request.sets}
     quarantine: list[pa.Table] = []
-    faults.hit("read_shard", shard.id)
-    reader = ShardStats()  # the reader thread's own record, added at the end
+    faults.hit("read_shard", request.shard.id)
     model = _Model(request)
-    slices = _read_slices(request, model, previous, reader, quarantine)
-    ids_parts, hash_parts = [], []
-    vectors: dict[str, list[np.ndarray]] = {n: [] for n in previous}
-    counts = {n: [0, 0] for n in previous}  # embedded, reused
-    # encoded vectors of the shard's distinct texts, filled in the order _Seen assigns rows
-    store = {n: np.empty((0, 0), np.float32) for n in previous}
-    filled = 0
-    for piece in prefetch(slices, depth=2):
+    encoded = _Encoded(list(previous), request.shard.rows)
+    collected = _Collected(list(previous))
+    for piece in prefetch(_read_slices(request, model, previous, reader, quarantine), depth=2):
         if len(piece.unique):
-            tick = time.perf_counter()
-            out = model.embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
-            stats.add_seconds("encode", time.perf_counter() - tick)
-            stats.add_encoder(out.stats)
-            if not filled:
-                dims = model.embedder.dims()
-                store = {n: np.empty((shard.rows, dims[n]), np.float32) for n in previous}
-            for name in store:
-                store[name][filled : filled + len(piece.unique)] = out.vectors[name]
-            filled += len(piece.unique)
+            _encode(model, piece, encoded, stats)
         stats.encoded += len(piece.unique)
         stats.duplicates += len(piece.need) - len(piece.unique)
         stats.embedded += len(piece.need)
-        for name, found in piece.found.items():
-            vectors[name].append(_assemble(piece, found, store[name], previous[name]))
-            reused = int((found >= 0).sum())
-            counts[name][0] += len(found) - reused
-            counts[name][1] += reused
-        ids_parts.append(piece.ids)
-        hash_parts.append(piece.hashes)
-    stats.reused = max((c[1] for c in counts.values()), default=0)
+        collected.add(piece, encoded, previous)
+    stats.reused = max(collected.reused.values(), default=0)
     stats = ShardStats.total([stats, reader])
-    ids = pa.concat_arrays(ids_parts) if ids_parts else pa.array([], _id_type(request))
-    hashes = np.concatenate(hash_parts) if hash_parts else np.zeros(0, np.uint64)
     tick = time.perf_counter()
     if quarantine:  # before any marker: a done shard always has its quarantine file
-        storage.write_parquet(quarantine_url(job.out, shard.id), pa.concat_tables(quarantine))
-    outcomes = []
-    for work in request.sets:
-        matrix = np.concatenate(vectors[work.name]) if vectors[work.name] else None
-        written, removed = _write_set(request, work, ids, hashes, matrix, stats.skipped)
-        outcomes.append(
-            SetOutcome(
-                name=work.name,
-                rows=len(ids),
-                embedded=counts[work.name][0],
-                reused=counts[work.name][1],
-                removed=removed,
-                written=written,
-            )
-        )
+        storage.write_parquet(quarantine_url(request.job.out, request.shard.id),
+                              pa.concat_tables(quarantine))
+    outcomes = _write_sets(request, collected, stats.skipped)
     stats.add_seconds("write", time.perf_counter() - tick)
     release_freed_memory()
-    return ShardResult(
-        shard=shard.id, sets=outcomes, stats=stats, seconds=time.perf_counter() - started
-    )
+    return ShardResult(shard=request.shard.id, sets=outcomes, stats=stats,
+                       seconds=time.perf_counter() - started)
+
+
+def _encode(model: _Model, piece: _Slice, encoded: _Encoded, stats: ShardStats) -> None:
+    """Stage 2: a slice's distinct new texts through the model, into the shard's store."""
+    tick = time.perf_counter()
+    out = model.embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
+    stats.add_seconds("encode", time.perf_counter() - tick)
+    stats.add_encoder(out.stats)
+    encoded.add(out.vectors)
+
+
+def _write_sets(request: ShardRequest, collected: _Collected, skipped: int
+                ) -> list[SetOutcome]:
+    """Stage 3: each set's part, hashes and marker (see ``_write_set``)."""
+    ids, hashes = collected.id_array(_id_type(request)), collected.hash_array()
+    outcomes = []
+    for work in request.sets:
+        written, removed = _write_set(request, work, ids, hashes,
+                                      collected.matrix(work.name), skipped)
+        outcomes.append(SetOutcome(
+            name=work.name, rows=len(ids), embedded=collected.embedded[work.name],
+            reused=collected.reused[work.name], removed=removed, written=written))
+    return outcomes
+
+
+class _Encoded:
+    """Each set's vectors of the shard's distinct encoded texts, in the order ``_Seen``
+    assigns them rows (room for the whole shard, made when the first slice is encoded)."""
+
+    def __init__(self, names: list[str], shard_rows: int) -> None:
+        self.names, self.shard_rows = names, shard_rows
+        self.store: dict[str, np.ndarray] = {}
+        self.filled = 0
+
+    def add(self, vectors: dict[str, np.ndarray]) -> None:
+        """The next rows: ``vectors`` holds every pooler the embedder ran, this shard's sets
+        among them (a set already done here is not stored)."""
+        count = len(next(iter(vectors.values())))
+        if not self.store:
+            self.store = {name: np.empty((self.shard_rows, vectors[name].shape[1]), np.float32)
+                          for name in self.names}
+        for name, matrix in self.store.items():
+            matrix[self.filled : self.filled + count] = vectors[name]
+        self.filled += count
+
+    def of(self, name: str) -> np.ndarray:
+        return self.store.get(name, np.empty((0, 0), np.float32))
+
+
+class _Collected:
+    """The shard's ids, text hashes and each set's vectors slice by slice, in row order, and
+    the rows each set embedded and reused."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.ids: list[pa.Array] = []
+        self.hashes: list[np.ndarray] = []
+        self.vectors: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        self.embedded = dict.fromkeys(names, 0)
+        self.reused = dict.fromkeys(names, 0)
+
+    def add(self, piece: _Slice, encoded: _Encoded, previous: dict[str, _Previous]) -> None:
+        for name, found in piece.found.items():
+            self.vectors[name].append(
+                _assemble(piece, found, encoded.of(name), previous[name]))
+            reused = int((found >= 0).sum())
+            self.embedded[name] += len(found) - reused
+            self.reused[name] += reused
+        self.ids.append(piece.ids)
+        self.hashes.append(piece.hashes)
+
+    def id_array(self, id_type: pa.DataType) -> pa.Array:
+        return pa.concat_arrays(self.ids) if self.ids else pa.array([], id_type)
+
+    def hash_array(self) -> np.ndarray:
+        return np.concatenate(self.hashes) if self.hashes else np.zeros(0, np.uint64)
+
+    def matrix(self, name: str) -> np.ndarray | None:
+        return np.concatenate(self.vectors[name]) if self.vectors[name] else None
 
 
 class _Model:
