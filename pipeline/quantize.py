@@ -60,8 +60,8 @@ def check_onnxruntime() -> None:
         import onnxruntime  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
-            "dtype int8 runs this model in ONNX Runtime on this machine (no fused int8 path "
-            f"for it here), which is not installed ({exc.name}): pip install 'embedpipe[int8]'"
+            "dtype int8 runs this model in ONNX Runtime here, which is not installed "
+            f"({exc.name}): pip install 'embedpipe[int8]'"
         ) from None
 
 
