@@ -16,7 +16,8 @@ Contenders (all on this machine, model loaded before timing):
   runs) on the sample written to a Parquet file in a temp folder; timed warm (the Prefect API
   already started by a tiny run first, the model in the worker cache), and ``--cli`` adds the
   cold command in a subprocess against a user's cold sentence-transformers script (read
-  Parquet, encode, write Parquet).
+  Parquet, encode, write Parquet), and where the command's wall time went (from its
+  ``--json`` summary: start-up and exit, setup, each shard stage, each as a share of it).
 
 Reported per text set: docs/s and tokens/s (real tokens, specials included, after
 truncation), ratios b/a and c/b, padding efficiency (real / padded tokens) of (a) and (b),
@@ -63,6 +64,7 @@ from bench.speed import cpu_flags  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder, get_embedder  # noqa: E402
+from pipeline.stats import STAGES  # noqa: E402
 from pipeline.torch_thread import on_torch_thread  # noqa: E402
 from pipeline.vectors import row_cosines  # noqa: E402
 
@@ -196,9 +198,10 @@ pq.write_table(table.select(["id"]).append_column(
 """
 
 
-def run_cold(texts: list[str], workdir: Path, tag: str) -> tuple[float, float]:
-    """The cold `embedpipe embed` (tag "cli") or the user's sentence-transformers script (tag
-    "st_script") in a subprocess, start-up and IO included: wall seconds and peak RSS (MiB)."""
+def run_cold(texts: list[str], workdir: Path, tag: str) -> tuple[float, float, dict | None]:
+    """The cold `embedpipe embed --json` (tag "cli") or the user's sentence-transformers script
+    (tag "st_script") in a subprocess, start-up and IO included: wall seconds, peak RSS (MiB)
+    and the CLI's run summary (None for the script)."""
     folder = workdir / tag
     folder.mkdir()
     corpus = write_corpus(folder, texts)
@@ -206,15 +209,30 @@ def run_cold(texts: list[str], workdir: Path, tag: str) -> tuple[float, float]:
         cmd = [sys.executable, "-c", ST_SCRIPT, str(corpus), str(folder / "out.parquet")]
     else:
         script = "from flows.cli import run; run()"
-        cmd = [sys.executable, "-c", script, "embed", str(corpus), str(folder / "out")]
+        cmd = [sys.executable, "-c", script, "embed", str(corpus), str(folder / "out"), "--json"]
     with PeakRss(children=True) as watch:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, err = proc.communicate()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate()
         seconds = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"{tag} failed: {err.decode()[-2000:]}")
-    return seconds, watch.mib
+    return seconds, watch.mib, json.loads(out) if tag == "cli" else None
+
+
+def cli_stages(summary: dict, wall: float, flops: float, peak: float) -> dict:
+    """Where the cold command's wall time went, each part's share of it: start-up and exit
+    (interpreter, imports, Prefect's flow run; the wall less what the run timed itself), the
+    run's setup (checks, planning, model load), each shard stage's busy seconds (they can
+    overlap) and the shards' wall less those; and the encoder's share of the peak while it
+    ran inside the command."""
+    busy = summary["stats"]["seconds"]
+    parts = {"start-up and exit": wall - summary["setup_seconds"] - summary["seconds"],
+             "setup": summary["setup_seconds"],
+             **{stage: busy.get(stage, 0.0) for stage in STAGES},
+             "shards, other": summary["seconds"] - sum(busy.values())}
+    return {"seconds": parts, "share": {k: v / wall for k, v in parts.items()},
+            "encode_of_peak": flops / busy["encode"] / 1e9 / peak if busy.get("encode") else None}
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -338,11 +356,13 @@ def bench_flow(args: argparse.Namespace, texts: dict, embedder: Embedder, report
         if args.cli:  # both cold, start-up and IO included, the CLI's local API already up
             flops = encoder_flops(real_lengths(embedder, sample), embedder.encoder.model.config)
             run_cold(sample[:20], workdir, "cli_warmup")  # starts the CLI's local Prefect API
+            peak = report["matmul_peak_gflops"]
             for tag in ("st_script", "cli"):
-                seconds, rss = run_cold(sample, workdir, tag)
+                seconds, rss, summary = run_cold(sample, workdir, tag)
                 out |= {f"{tag}_seconds": seconds, f"{tag}_peak_rss_mib": rss,
                         f"{tag}_docs_s": len(sample) / seconds,
-                        f"{tag}_of_peak": flops / seconds / 1e9 / report["matmul_peak_gflops"]}
+                        f"{tag}_of_peak": flops / seconds / 1e9 / peak}
+            out["cli_stages"] = cli_stages(summary, out["cli_seconds"], flops, peak)
             out["cli_over_st_script"] = out["st_script_seconds"] / out["cli_seconds"]
     return out
 
@@ -396,6 +416,12 @@ def table(report: dict) -> str:
                 f"{flow['st_script_docs_s']:.1f} docs/s ({100 * flow['st_script_of_peak']:.0f}%), "
                 f"ratio {flow['cli_over_st_script']:.2f}x"
             )
+            stages = flow["cli_stages"]
+            lines.append(
+                f"`embedpipe embed` {flow['cli_seconds']:.2f} s: " + ", ".join(
+                    f"{k} {v:.2f} s ({100 * stages['share'][k]:.0f}%)"
+                    for k, v in stages["seconds"].items())
+                + f"; the encoder at {100 * stages['encode_of_peak']:.0f}% of peak while it ran")
     lines.append(
         "load average start/end: "
         f"{report['machine']['load_avg_start'][0]:.1f} / {report['machine']['load_avg_end'][0]:.1f}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -216,12 +217,22 @@ def test_cli_embed_prints_a_summary_and_fails_in_one_line(corpus, tiny_model_dir
     )
     args = ["embed", str(corpus[0]), str(tmp_path / "out"), "--model", str(tiny_model_dir),
             "--config", str(config)]
-    assert main(args) == 0
-    line = capsys.readouterr().out.strip()
-    assert line.startswith("embedded 57 rows") and "[cls_last2]" in line
-    assert "skipped 3 rows (empty_text 2, null_text 1)" in line
+    assert main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)  # one JSON object, nothing else on stdout
+    assert summary["line"].startswith("embedded 57 rows") and "[cls_last2]" in summary["line"]
+    assert "skipped 3 rows (empty_text 2, null_text 1)" in summary["line"]
+    assert summary["stats"]["embedded"] == 57 and summary["skipped"] == {
+        "empty_text": 2, "null_text": 1}
+    assert set(summary["stats"]["seconds"]) == {"read", "tokenize", "encode", "write"}
     meta = SetFolder(str(tmp_path / "out"), "cls_last2").read_meta()
     assert meta.pooler["layers"] == [-1, -2] and meta.shards_done == 3
+    assert main(args) == 0  # a rerun: the summary line, nothing to do
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("embedded 0 rows (0 reused, 0 removed); 57 rows in 1 set(s)")
+    assert "0/3 shards run" in line
+    assert main(["backfill", *args[1:3], "--pooler", "mean", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["line"].startswith("backfilled 57 rows") and summary["sets"] == ["mean"]
     assert main(args[:5] + ["--text-column", "body"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("embedpipe embed: error: ")

@@ -4,6 +4,7 @@ checked before any orchestration starts, then a flow."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import get_args
 
@@ -17,9 +18,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="then catch up each set's index, in the same flow run")
     embed.add_argument("--incremental", action="store_true",
                        help="re-read every shard, embed only new or changed rows (nightly)")
+    _json_arg(embed)
     embed.set_defaults(func=run_embed)
     backfill = subparsers.add_parser("backfill", help="add pooler sets to an existing OUT")
     _job_args(backfill, pooler_required=True)
+    _json_arg(backfill)
     backfill.set_defaults(func=run_backfill)
     schedule = subparsers.add_parser("schedule", help="serve a nightly incremental deployment")
     _job_args(schedule)
@@ -64,6 +67,12 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
                    help="keep the first row of each duplicated id instead of failing")
 
 
+def _json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print the run's summary as one JSON object (counts, seconds per stage,"
+                   " index results) instead of the summary line")
+
+
 def _options(args: argparse.Namespace) -> dict:
     """The job options (``pipeline.assembly.OPTIONS``) as the flags give them."""
     from pipeline.assembly import OPTIONS
@@ -77,6 +86,9 @@ def run_embed(args: argparse.Namespace) -> int:
     summary = embedpipe.embed(args.corpus, args.out, poolers=args.pooler, config=args.config,
                               index=args.index, incremental=args.incremental, progress=True,
                               **_options(args))
+    if args.json:
+        print(json.dumps(summary))
+        return 0
     print(summary["line"])
     if args.index:
         from pipeline.index import IndexResult
@@ -91,7 +103,8 @@ def run_backfill(args: argparse.Namespace) -> int:
 
     summary = embedpipe.backfill(args.corpus, args.out, poolers=args.pooler, config=args.config,
                                  progress=True, **_options(args))
-    print(summary["line"].replace("embedded", "backfilled", 1))
+    summary["line"] = summary["line"].replace("embedded", "backfilled", 1)
+    print(json.dumps(summary) if args.json else summary["line"])
     return 0
 
 
