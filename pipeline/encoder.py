@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
+from pipeline.int8_linear import calibration_batches
 from pipeline.models import loader, recorded
 from pipeline.models.hashing import quantized_hash
 from pipeline.models.head import ModelParts
@@ -134,7 +135,7 @@ class Encoder:
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)
         self.model_hash = quantized_hash(self.files_hash, self.int8_kernel)
         if self.int8_kernel == "onednn":
-            self.model.to_int8()
+            self.model.to_int8(self._int8_calibration())
         elif self.int8_kernel == "onnxruntime":
             self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types)
         elif self.dtype in HALF:
@@ -206,6 +207,14 @@ class Encoder:
     def _handed_on(self) -> bool:
         """Whether the torch model goes on to int8's ONNX export or to ``torch.compile``."""
         return self.int8_kernel == "onnxruntime" or self.cfg.compile
+
+    def _int8_calibration(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches that fix int8's input scales: from the model and its tokenizer alone
+        (not the job's max_length), so a model's int8 vectors are the same in every job."""
+        config, facts = self.model.config, self.tokenizer
+        longest = min(facts.model_max_length, int(config.max_position_embeddings))
+        return calibration_batches(int(config.vocab_size), facts.all_special_ids, facts.prefix,
+                                   facts.suffix, longest)
 
     def _max_length(self, model_limit) -> int:
         positions = getattr(self.model.config, "max_position_embeddings", None) or 512

@@ -18,7 +18,14 @@ from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError, FingerprintError
 from pipeline.fused_bert import FusedBert
-from pipeline.int8_linear import Int8Linear, onednn_int8_available, quantize_uint8
+from pipeline.int8_linear import (
+    Int8Linear,
+    calibration_batches,
+    onednn_int8_available,
+    quantize_uint8,
+    uint8_qparams,
+)
+from pipeline.models.hashing import int8_hint
 from pipeline.vectors import row_cosines
 from tests._flowkit import job, run_library, text_for, write_corpus
 from tests._int8 import TEXTS, check_int8_vectors, embedder
@@ -47,6 +54,57 @@ def test_quantize_uint8_rounds_within_half_a_step(dtype: torch.dtype) -> None:
     assert zero_p == 0 and int(positive.min()) > 0
 
 
+def test_fixed_qparams_quantize_within_their_range_and_clip_outside_it() -> None:
+    x = torch.tensor([[-4.0, -1.0, -0.3, 0.0, 0.7, 2.0, 6.0]])
+    qparams = uint8_qparams(-1.0, 2.0)
+    q, scale, zero = quantize_uint8(x, qparams)
+    assert (scale, zero) == qparams == (3.0 / 255, 85)
+    back = (q.float() - zero) * scale
+    assert torch.allclose(back[0, 1:6], x[0, 1:6], atol=scale / 2 + 1e-6)
+    assert back[0, 0] == back[0, 1] and back[0, -1] == back[0, -2]  # clipped to the range
+    assert uint8_qparams(0.5, 2.0) == (2.0 / 255, 0)  # widened to hold zero
+
+
+def test_calibration_batches_are_vocabulary_rows_drawn_the_same_every_time() -> None:
+    special = [0, 100, 101, 102]
+    batches = calibration_batches(500, special, [101], [102], max_length=64)
+    assert [tuple(ids.shape) for ids, _ in batches] == [(8, n) for n in (8, 16, 32, 64)]
+    again = calibration_batches(500, special, [101], [102], max_length=64)
+    for (ids, mask), (same, _) in zip(batches, again, strict=True):
+        assert torch.equal(ids, same) and bool(mask.all())
+        assert bool((ids[:, 0] == 101).all() and (ids[:, -1] == 102).all())
+        inner = ids[:, 1:-1]
+        assert not bool(torch.isin(inner, torch.tensor(special)).any())
+        assert int(inner.min()) >= 1 and int(inner.max()) < 500
+    assert len({int(i) for ids, _ in batches for i in ids[:, 1:-1].flatten()}) > 400
+
+
+@needs_int8
+def test_int8_vectors_depend_on_their_text_alone_not_on_batch_mates(
+    tiny_model_dir: Path, cache: Path
+) -> None:
+    int8 = embedder(tiny_model_dir, "int8")
+    layers = [m for m in int8.encoder.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.input_qparams and m.observed is None for m in layers)
+    again = [m.input_qparams for m in embedder(tiny_model_dir, "int8").encoder.model.modules()
+             if isinstance(m, Int8Linear)]
+    assert again == [m.input_qparams for m in layers]  # calibrated alike on every load
+    together = int8.encode(TEXTS)  # per-batch scales: 6e-5 and 9e-5 apart from the two below
+    alone = np.concatenate([int8.encode([text]) for text in TEXTS[:6]])
+    np.testing.assert_allclose(alone, together[:6], atol=1e-6)
+    others = [text_for(i) * 3 for i in range(100, 140)]  # longer batch-mates, more padding
+    np.testing.assert_allclose(int8.encode(TEXTS[:6] + others)[:6], together[:6], atol=1e-6)
+
+
+def test_a_set_of_a_retired_int8_scheme_is_refused_with_why() -> None:
+    hint = int8_hint("8457b09e37db1283-onednn-int8", "8457b09e37db1283-onednn-int8-static")
+    assert hint == ("; its int8 vectors came from oneDNN with input scales taken per batch, "
+                    "which this version no longer runs: make the set anew")
+    assert int8_hint("8457b09e37db1283-onnx-int8", "8457b09e37db1283-onednn-int8-static") == (
+        "; its int8 vectors came from onnxruntime, this job's from onednn: int8_kernel "
+        "onnxruntime (--int8-kernel onnxruntime) continues it")
+
+
 @needs_int8
 @pytest.mark.parametrize("gelu", [None, "none", "tanh"])
 def test_int8_linear_is_the_product_within_quantization_error(gelu: str | None) -> None:
@@ -72,7 +130,7 @@ def test_int8_runs_fused_close_to_fp32_with_its_own_fingerprint(
     assert isinstance(model, FusedBert) and model.int8
     assert all(isinstance(layer.qkv, Int8Linear) and isinstance(layer.up, Int8Linear)
                and layer.down.weight.dtype == torch.bfloat16 for layer in model.layers)
-    b = check_int8_vectors(fp32, int8, "-onednn-int8")
+    b = check_int8_vectors(fp32, int8, "-onednn-int8-static")
     np.testing.assert_array_equal(b, int8.encode(TEXTS))  # the same batches: the same vectors
     assert not (cache / "onnx-int8").exists()  # no ONNX export
 

@@ -94,7 +94,9 @@ def _write_cached(path: Path, value: str) -> None:
 
 # where dtype int8 runs: oneDNN's int8 product in the fused forward (pipeline.int8_linear), or
 # ONNX Runtime (pipeline.quantize); each rounds its own way, so each has its own hash suffix
-INT8_SUFFIXES = {"onednn": "-onednn-int8", "onnxruntime": "-onnx-int8"}
+INT8_SUFFIXES = {"onednn": "-onednn-int8-static", "onnxruntime": "-onnx-int8"}
+# int8 schemes no longer run: a set they made is refused (its vectors cannot be continued)
+RETIRED_INT8_SUFFIXES = {"-onednn-int8": "oneDNN with input scales taken per batch"}
 
 
 def quantized_hash(model_hash: str, int8_kernel: str | None) -> str:
@@ -111,6 +113,11 @@ def int8_kernel_of(model_hash: str) -> str | None:
 def int8_hint(made: str | None, making: str) -> str:
     """Why two model hashes may differ where the int8 kernel is the reason ('' otherwise):
     ``made`` the stored set's (None: not known here), ``making`` this job's."""
+    retired = next((why for suffix, why in RETIRED_INT8_SUFFIXES.items()
+                    if made is not None and made.endswith(suffix)), None)
+    if retired:
+        return (f"; its int8 vectors came from {retired}, which this version no longer runs: "
+                "make the set anew")
     kernel = int8_kernel_of(making)
     if kernel is None:
         return ""
