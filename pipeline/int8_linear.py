@@ -23,7 +23,6 @@ its fp32 input ~0.6 ms. The FFN's second product reads the 1,536-wide GELU outpu
 on 2,000 PyPI summaries: min 0.963 with it, 0.973-0.981 without), so it stays bf16.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -78,7 +77,7 @@ def calibration_batches(vocab_size: int, special_ids: Iterable[int], prefix: Seq
     vocab = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
     batches = []
     for length in (n for n in CALIBRATION_LENGTHS if n <= max_length):
-        inner = length - len(prefix) - len(suffix)
+        inner = max(1, length - len(prefix) - len(suffix))
         body = rng.choice(vocab, size=(CALIBRATION_ROWS, inner))
         ids = np.concatenate([np.tile(prefix, (CALIBRATION_ROWS, 1)), body,
                               np.tile(suffix, (CALIBRATION_ROWS, 1))], axis=1).astype(np.int64)
