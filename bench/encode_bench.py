@@ -45,7 +45,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -115,16 +115,24 @@ def load_texts(path: Path, short: int, long: int, seed: int, encoder) -> dict[st
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(texts))
     sample = [texts[i] for i in order[:short]]
-    pool = iter(order[short:])
+    pool = _token_counts(texts, order[short:], encoder)
     longs = []
     for _ in range(long):
         target, parts, count = int(rng.integers(200, 501)), [], 0
         while count < target:
-            text = texts[next(pool)]
+            text, tokens = next(pool)
             parts.append(text)
-            count += len(encoder.tokenize([text])[0])
+            count += tokens
         longs.append(" ".join(parts))
     return {"short": sample, "long": longs}
+
+
+def _token_counts(texts: list[str], order: np.ndarray, encoder, chunk: int = 1024
+                  ) -> Iterator[tuple[str, int]]:
+    """(text, content tokens) of ``texts`` in ``order``, tokenized a chunk at a time."""
+    for start in range(0, len(order), chunk):
+        part = [texts[i] for i in order[start : start + chunk]]
+        yield from zip(part, map(len, encoder.tokenize(part)), strict=True)
 
 
 def timed(fn: Callable[[], object]) -> tuple[object, float]:

@@ -34,12 +34,9 @@ from bench.speed import DATA, cpu_flags, matmul_gflops  # noqa: E402
 
 def recall_at_10(queries: np.ndarray, docs: np.ndarray) -> float:
     """Query i's relevant doc is doc i: recall@10 by exact inner-product search."""
-    from pipeline.ranking import score_gold_ranks
+    from pipeline.training.metrics import retrieval_metrics
 
-    scores = queries @ docs.T
-    gold = scores[np.arange(len(scores)), np.arange(len(scores))]
-    ranks = 1 + (scores > gold[:, None]).sum(axis=1)  # 1-based rank of the relevant doc
-    return score_gold_ranks(ranks, 10)["recall@10"]
+    return retrieval_metrics(queries, docs, np.arange(len(queries)))["recall@10"]
 
 
 def batch_mates_cosine(embedder, texts: list[str], docs: np.ndarray) -> tuple[float, float]:

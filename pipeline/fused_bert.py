@@ -32,7 +32,7 @@ ONNX Runtime (``pipeline.quantize``). A GPU keeps transformers' forward and SDPA
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -181,7 +181,7 @@ class FusedBert(torch.nn.Module):
         """The fused twin of a loaded transformers model: the same weights."""
         return cls(model.config, model.state_dict(), onednn_fp32)
 
-    def to_int8(self, calibration: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def to_int8(self, calibration: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Run in int8 from now on: each layer's hidden-wide products through oneDNN's int8
         inner product, everything else in bf16 (``dtype int8`` where ``pipeline.int8_linear.
         onednn_int8_available``); their inputs' scales fixed by a forward over
@@ -190,13 +190,7 @@ class FusedBert(torch.nn.Module):
             layer.to_int8()
             layer.down.to(torch.bfloat16)
         self.int8 = True
-
-        def run() -> None:
-            with torch.inference_mode():
-                for ids, mask in calibration:
-                    self(ids, mask)
-
-        calibrate(self, run)
+        calibrate(self, calibration)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,

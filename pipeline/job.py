@@ -206,7 +206,7 @@ def _encode(model: _Model, piece: _Slice, encoded: _Encoded, stats: ShardStats) 
     encoded.add(out.vectors)
 
 
-def _write_sets(request: ShardRequest, collected: _Collected, skipped: int
+def _write_sets(request: ShardRequest, collected: _Collected, skipped: dict[str, int]
                 ) -> list[SetOutcome]:
     """Stage 3: each set's part, hashes and marker (see ``_write_set``)."""
     ids, hashes = collected.id_array(_id_type(request)), collected.hash_array()

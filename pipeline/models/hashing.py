@@ -113,11 +113,10 @@ def int8_kernel_of(model_hash: str) -> str | None:
 def int8_hint(made: str | None, making: str) -> str:
     """Why two model hashes may differ where the int8 kernel is the reason ('' otherwise):
     ``made`` the stored set's (None: not known here), ``making`` this job's."""
-    retired = next((why for suffix, why in RETIRED_INT8_SUFFIXES.items()
-                    if made is not None and made.endswith(suffix)), None)
-    if retired:
-        return (f"; its int8 vectors came from {retired}, which this version no longer runs: "
-                "make the set anew")
+    for suffix, why in RETIRED_INT8_SUFFIXES.items():
+        if made is not None and made.endswith(suffix):
+            return (f"; its int8 vectors came from {why}, which this version no longer runs: "
+                    "make the set anew")
     kernel = int8_kernel_of(making)
     if kernel is None:
         return ""
