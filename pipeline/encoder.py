@@ -137,7 +137,8 @@ class Encoder:
         if self.int8_kernel == "onednn":
             self.model.to_int8(self._int8_calibration())
         elif self.int8_kernel == "onnxruntime":
-            self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types)
+            self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types,
+                                       self._int8_calibration())
         elif self.dtype in HALF:
             cast_linear_weights(self.model, HALF[self.dtype])
         self.compiled = cfg.compile

@@ -3,10 +3,12 @@
 The first time a model is used with ``dtype int8`` its transformer is exported to ONNX (eager
 attention, so the padding mask stays in the graph), fused by ONNX Runtime's transformer
 optimizer where it knows the architecture (attention, skip layer norm, bias GELU in BERT-like
-models), and its MatMul weights quantized to int8 with one scale per output channel;
-activations are quantized per batch at run time, so no calibration data is needed. The file
-is cached under ``EMBEDPIPE_CACHE``, keyed by the model hash, the outputs and the ONNX Runtime
-version, and checked against its recorded SHA-256 before each load.
+models), and its MatMul weights quantized to int8 with one scale per output channel; each
+product's input is quantized with one (scale, zero point) fixed at the build from the range it
+spans over the random vocabulary rows that calibrate the oneDNN kernel (``pipeline.onnx_scales``:
+no calibration data, and a text's vector does not depend on its batch-mates). The file is
+cached under ``EMBEDPIPE_CACHE``, keyed by the model hash, the outputs, the ONNX Runtime version
+and the scheme, and checked against its recorded SHA-256 before each load.
 
 Why ONNX Runtime and not torch's dynamic quantization of the Linear layers (the earlier int8
 path), measured on the packaged MiniLM and the same 2,000 PyPI summaries, AVX2-only CPU, two
@@ -28,21 +30,24 @@ import logging
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeline import storage
 from pipeline.config import stable_hash
 from pipeline.errors import ConfigError, ModelError
+from pipeline.onnx_scales import fix_input_scales
 from pipeline.settings import cache_root
 
 INT8 = "int8"
 OPSET = 17
-FUSED_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})  # ORT's BERT fusions apply
+ORT_BERT_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})  # ORT's BERT fusions apply
+SCHEME = "fixed-input-scales"  # in the cache key: a file of the per-batch scheme is not reused
 
 
 def check_int8(need_attention: bool) -> None:
@@ -70,13 +75,16 @@ class OnnxInt8Model:
     one for the last layer alone, one with every layer's hidden states, each built on first use.
     """
 
-    def __init__(self, model: torch.nn.Module, model_hash: str, token_types: bool) -> None:
+    def __init__(self, model: torch.nn.Module, model_hash: str, token_types: bool,
+                 calibration: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``model``: loaded with eager attention (SDPA's mask shortcuts do not export), after
-        ``check_int8``."""
+        ``check_int8``; ``calibration``: the (ids, mask) batches that fix the products' input
+        scales when the int8 file is built (``pipeline.int8_linear.calibration_batches``)."""
         self.config = model.config
         self._model = model
         self._hash = model_hash
         self._inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
+        self._calibration = calibration
         self._sessions: dict[bool, Any] = {}
         self._lock = threading.Lock()
 
@@ -85,13 +93,19 @@ class OnnxInt8Model:
                  output_attentions: bool = False) -> SimpleNamespace:
         if output_attentions:
             raise ConfigError("dtype int8 (ONNX Runtime) gives no attention weights")
-        given = {"input_ids": input_ids, "attention_mask": attention_mask,
-                 "token_type_ids": token_type_ids}
-        feeds = {name: given[name].cpu().numpy() for name in self._inputs}
+        feeds = self._feeds(input_ids, attention_mask, token_type_ids)
         outputs = self._session(output_hidden_states).run(None, feeds)
         tensors = [torch.from_numpy(o) for o in outputs]
         hidden = tuple(tensors[1:]) if output_hidden_states else None
         return SimpleNamespace(last_hidden_state=tensors[0], hidden_states=hidden)
+
+    def _feeds(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               token_type_ids: torch.Tensor | None = None) -> dict[str, np.ndarray]:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        given = {"input_ids": input_ids, "attention_mask": attention_mask,
+                 "token_type_ids": token_type_ids}
+        return {name: given[name].cpu().numpy() for name in self._inputs}
 
     def _session(self, hidden: bool) -> Any:
         with self._lock:
@@ -102,7 +116,8 @@ class OnnxInt8Model:
     def _cached_file(self, hidden: bool) -> Path:
         import onnxruntime
 
-        key = stable_hash([self._hash, hidden, self._inputs, onnxruntime.__version__, OPSET])
+        key = stable_hash([self._hash, hidden, self._inputs, onnxruntime.__version__, OPSET,
+                           SCHEME])
         path = cache_root() / "onnx-int8" / f"{key}.onnx"
         if _verified(path):
             return path
@@ -114,7 +129,8 @@ class OnnxInt8Model:
         return path
 
     def _build(self, work: Path, hidden: bool) -> Path:
-        """Export, fuse (where ORT knows the architecture), quantize: the int8 model's path."""
+        """Export, fuse (where ORT knows the architecture), quantize, fix the products' input
+        scales: the int8 model's path."""
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         exported, fused, quantized = work / "model.onnx", work / "fused.onnx", work / "int8.onnx"
@@ -125,6 +141,8 @@ class OnnxInt8Model:
                 warnings.simplefilter("ignore")
                 quantize_dynamic(source, quantized, weight_type=QuantType.QInt8, per_channel=True,
                                  extra_options={"DefaultTensorType": 1})  # onnx FLOAT
+            fix_input_scales(quantized, [self._feeds(ids, mask) for ids, mask in self._calibration],
+                             torch.get_num_threads())
         except (RuntimeError, ValueError, TypeError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ModelError(f"cannot build the int8 ONNX model: {first}") from None
@@ -165,7 +183,7 @@ class _Outputs(torch.nn.Module):
 
 def _fuse(source: Path, target: Path, config: Any) -> Path | None:
     """ORT's transformer fusions for BERT-like models; None where it does not know the type."""
-    if getattr(config, "model_type", None) not in FUSED_TYPES:
+    if getattr(config, "model_type", None) not in ORT_BERT_TYPES:
         return None
     from onnxruntime.transformers.optimizer import optimize_model
 

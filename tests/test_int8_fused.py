@@ -100,7 +100,11 @@ def test_a_set_of_a_retired_int8_scheme_is_refused_with_why() -> None:
     hint = int8_hint("8457b09e37db1283-onednn-int8", "8457b09e37db1283-onednn-int8-static")
     assert hint == ("; its int8 vectors came from oneDNN with input scales taken per batch, "
                     "which this version no longer runs: make the set anew")
-    assert int8_hint("8457b09e37db1283-onnx-int8", "8457b09e37db1283-onednn-int8-static") == (
+    assert int8_hint("8457b09e37db1283-onnx-int8", "8457b09e37db1283-onnx-int8-static") == (
+        "; its int8 vectors came from ONNX Runtime with input scales taken per batch, which "
+        "this version no longer runs: make the set anew")
+    made, making = "8457b09e37db1283-onnx-int8-static", "8457b09e37db1283-onednn-int8-static"
+    assert int8_hint(made, making) == (
         "; its int8 vectors came from onnxruntime, this job's from onednn: int8_kernel "
         "onnxruntime (--int8-kernel onnxruntime) continues it")
 
@@ -175,7 +179,7 @@ def test_onnxruntime_is_chosen_where_the_fused_int8_path_would_run(
     onnx = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="int8", device="cpu",
                                   int8_kernel="onnxruntime"), [PoolerSpec(name="mean")])
     assert not isinstance(onnx.encoder.model, FusedBert)
-    assert onnx.info.model_hash.endswith("-onnx-int8")
+    assert onnx.info.model_hash.endswith("-onnx-int8-static")
 
 
 @contextlib.contextmanager
@@ -228,7 +232,7 @@ def test_queries_of_an_int8_set_run_through_the_kernel_that_made_it(
         run_library(job(_corpus(tmp_path, 10), tmp_path / "out", tiny_model_dir,
                         encoder=encoder))
     meta = SetFolder(str(tmp_path / "out"), "mean").meta()
-    assert meta.model_hash.endswith("-onnx-int8") and meta.encoder["int8_kernel"] == "auto"
+    assert meta.model_hash.endswith("-onnx-int8-static") and meta.encoder["int8_kernel"] == "auto"
     query = QueryEncoder(meta)  # here auto would pick oneDNN: the set's kernel is kept
     assert not isinstance(query.embedder.encoder.model, FusedBert)
     assert query.encode([text_for(3)]).shape == (1, meta.dim)

@@ -32,8 +32,24 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_int8_runs_in_onnx_runtime_close_to_fp32(tiny_model_dir: Path, cache: Path) -> None:
     fp32, int8 = _embedder(tiny_model_dir, "fp32"), _embedder(tiny_model_dir, "int8")
     assert isinstance(int8.encoder.model, OnnxInt8Model)
-    check_int8_vectors(fp32, int8, "-onnx-int8")
+    check_int8_vectors(fp32, int8, "-onnx-int8-static")
     assert len(list(cache.glob("*.onnx"))) == 1  # the int8 model, kept for the next start
+
+
+def test_int8_vectors_depend_on_their_text_alone_not_on_batch_mates(tiny_model_dir: Path,
+                                                                     cache: Path) -> None:
+    import onnx
+
+    int8 = _embedder(tiny_model_dir, "int8")
+    together = int8.encode(TEXTS)
+    [built] = cache.glob("*.onnx")
+    ops = {node.op_type for node in onnx.load(str(built)).graph.node}
+    assert {"QuantizeLinear", "MatMulIntegerToFloat"} <= ops  # fixed scales, one op a product
+    assert not ops & {"DynamicQuantizeLinear", "MatMulInteger"}
+    alone = np.concatenate([int8.encode([text]) for text in TEXTS[:6]])
+    np.testing.assert_allclose(alone, together[:6], atol=1e-6)
+    others = [text * 3 for text in TEXTS[6:]]  # longer batch-mates, more padding
+    np.testing.assert_allclose(int8.encode(TEXTS[:6] + others)[:6], together[:6], atol=1e-6)
 
 
 def test_int8_model_is_reused_and_rebuilt_when_altered(tiny_model_dir: Path, cache: Path

@@ -94,9 +94,10 @@ def _write_cached(path: Path, value: str) -> None:
 
 # where dtype int8 runs: oneDNN's int8 product in the fused forward (pipeline.int8_linear), or
 # ONNX Runtime (pipeline.quantize); each rounds its own way, so each has its own hash suffix
-INT8_SUFFIXES = {"onednn": "-onednn-int8-static", "onnxruntime": "-onnx-int8"}
+INT8_SUFFIXES = {"onednn": "-onednn-int8-static", "onnxruntime": "-onnx-int8-static"}
 # int8 schemes no longer run: a set they made is refused (its vectors cannot be continued)
-RETIRED_INT8_SUFFIXES = {"-onednn-int8": "oneDNN with input scales taken per batch"}
+RETIRED_INT8_SUFFIXES = {"-onednn-int8": "oneDNN with input scales taken per batch",
+                         "-onnx-int8": "ONNX Runtime with input scales taken per batch"}
 
 
 def quantized_hash(model_hash: str, int8_kernel: str | None) -> str:
