@@ -11,8 +11,8 @@ ONNX Runtime with an empty cache: export, fusion and quantization), the cosine b
 document's int8 and fp32 vectors (min / mean), and recall@10 of a retrieval task on the same
 data with each: the query is the package name, the relevant document its summary; and how far
 a text's vector moves with its batch-mates (the same texts encoded again in a shuffled order:
-min / mean cosine of each text's two vectors: 1.0 where a vector depends on its text alone;
-ONNX Runtime quantizes each product's input with one scale over the batch). CPU flags printed
+min / mean cosine of each text's two vectors: 1.0 where a vector depends on its text alone,
+as it should with each kernel's input scales fixed at load or build). CPU flags printed
 beside. Each is timed over ``--rounds`` interleaved rounds, the best counting (the machine is
 shared). ``int8`` in the output is what ``--dtype int8`` runs here by default.
 """
