@@ -3,8 +3,6 @@ read_bert_weights): the states transformers' own model computes, without its mod
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,6 @@ from pipeline.models import loader
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch has no oneDNN")
-ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["a tiny text", "another one, a little longer than the first", "ok " * 30]
 
 
@@ -96,15 +93,3 @@ def test_weights_transformers_would_rename_or_refuse_are_left_to_it(tmp_path: Pa
     assert loader.read_bert_weights(files, wider) is None  # shapes it would refuse
     deeper = config.__class__.from_dict(config.to_dict() | {"num_hidden_layers": 3})
     assert loader.read_bert_weights(files, deeper) is None  # a layer it would leave random
-
-
-def test_loading_a_fused_model_imports_no_transformers_model_code(tiny_model_dir: Path) -> None:
-    code = ("import sys; from pipeline.config import EncoderConfig, PoolerSpec\n"
-            "from pipeline.embedder import get_embedder\n"
-            f"e = get_embedder(EncoderConfig(model={str(tiny_model_dir)!r}, dtype='fp32'), "
-            "[PoolerSpec(name='mean')])\n"
-            "print(e.encoder.fused, 'transformers.modeling_utils' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "False"]
