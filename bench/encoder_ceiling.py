@@ -1,0 +1,141 @@
+"""How close the encoder can come to this CPU's matmul peak: its products alone, in one run.
+
+    python bench/encoder_ceiling.py [--short 3000 --long 300 --rounds 3]
+
+Encodes the texts of bench/encode_bench.py (the same sample for the same options) with the
+Embedder (packaged MiniLM, ``dtype auto``, the fused CPU forward), timing each of the forward's
+products as it runs, and prints per text set, against the matmul peak measured in the same run:
+
+* ``encoder``: the model's FLOPs over the real tokens / the encode's time (encode_bench's
+  "% of peak");
+* ``products in context``: the products' FLOPs over the padded rows / their time inside it;
+* ``products alone``: the same products (same shapes and weights) replayed back to back;
+* ``ceiling``: the model's FLOPs / the products' time in context: the encoder's share of the
+  peak if everything else (attention, softmax, LayerNorm, adds, copies, tokenizing, pooling)
+  took no time at all, and the padding's share of the products' FLOPs.
+
+The best of ``--rounds`` encodes counts (the machine is shared). CPU flags printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
+from bench.encode_bench import add_text_args, encoder_flops, load_texts, real_lengths  # noqa: E402
+from bench.peak import matmul_peak  # noqa: E402
+from bench.speed import cpu_flags  # noqa: E402
+from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
+from pipeline.embedder import Embedder  # noqa: E402
+from pipeline.fused_bert import FusedLayer  # noqa: E402
+from pipeline.torch_thread import on_torch_thread  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ProductTimer:
+    """Wraps ``FusedLayer._linear``: the seconds each product took and what it multiplied."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Size, torch.nn.Module, torch.dtype, bool, float]] = []
+        self._original = FusedLayer._linear
+
+    def __enter__(self) -> ProductTimer:
+        original = self._original
+
+        def timed(layer_self, x, layer, dtype, activation=False):
+            start = time.perf_counter()
+            out = original(layer_self, x, layer, dtype, activation)
+            self.calls.append((x.shape, layer, dtype, activation, time.perf_counter() - start))
+            return out
+
+        FusedLayer._linear = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        FusedLayer._linear = self._original
+
+    def seconds(self) -> float:
+        return sum(call[-1] for call in self.calls)
+
+    def flops(self) -> float:
+        return sum(2.0 * shape.numel() * layer.weight.shape[0]
+                   for shape, layer, *_ in self.calls)
+
+
+def replay(calls: list, fused_layer: FusedLayer) -> float:
+    """Seconds the products of ``calls`` take back to back, on random inputs of their shapes."""
+    inputs = [torch.randn(shape).to(dtype) for shape, _, dtype, *_ in calls]
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for x, (_, layer, dtype, activation, _) in zip(inputs, calls, strict=True):
+            FusedLayer._linear(fused_layer, x, layer, dtype, activation)
+        return time.perf_counter() - start
+
+
+def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> dict:
+    model = embedder.encoder.model
+    flops = encoder_flops(real_lengths(embedder, texts), model.config)
+    best: tuple[float, ProductTimer] | None = None
+    for _ in range(rounds):
+        with ProductTimer() as timer:
+            start = time.perf_counter()
+            embedder.encode(texts)
+            seconds = time.perf_counter() - start
+        if best is None or seconds < best[0]:
+            best = (seconds, timer)
+    seconds, timer = best
+    layer = next(m for m in model.modules() if isinstance(m, FusedLayer))
+    alone = min(on_torch_thread(replay, timer.calls, layer) for _ in range(rounds))
+    products, padded = timer.seconds(), timer.flops()
+    model_products = flops - _attention_flops(real_lengths(embedder, texts), model.config)
+    return {
+        "docs": len(texts), "encode_s": round(seconds, 3),
+        "encoder_of_peak": round(flops / seconds / 1e9 / peak, 3),
+        "products_share_of_encode": round(products / seconds, 3),
+        "products_in_context_of_peak": round(padded / products / 1e9 / peak, 3),
+        "products_alone_of_peak": round(padded / alone / 1e9 / peak, 3),
+        "padding_share_of_product_flops": round(1 - model_products / padded, 3),
+        "ceiling_of_peak": round(flops / products / 1e9 / peak, 3),
+    }
+
+
+def _attention_flops(lengths: np.ndarray, config) -> float:
+    """The attention's own products (scores and context), which ``encoder_flops`` counts."""
+    n = lengths.astype(np.float64)
+    return float(config.num_hidden_layers * (4 * n * n * config.hidden_size).sum())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_text_args(parser, short=3000, long=300)
+    args = parser.parse_args(argv)
+    embedder = Embedder(EncoderConfig(device="cpu"), [PoolerSpec(name="mean")])
+    if not embedder.encoder.fused:
+        raise SystemExit("the fused CPU forward does not run here: nothing to time")
+    config = embedder.encoder.model.config
+    dtype = DTYPES[embedder.info.dtype]
+    peak = on_torch_thread(matmul_peak, dtype, config.hidden_size, config.intermediate_size)
+    texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder)
+    embedder.encode(texts["short"][:64])  # warm
+    report = {"cpu_flags": cpu_flags(), "dtype": embedder.info.dtype,
+              "matmul_peak_gflops": round(peak, 1)}
+    for name, sample in texts.items():
+        report[name] = measure(embedder, sample, args.rounds, peak)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
