@@ -36,11 +36,9 @@ Writes ``bench/results/encode-<UTC time>.json`` (git-ignored) and prints a table
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -60,7 +58,7 @@ import torch  # noqa: E402
 
 import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
 from bench.peak import matmul_peak  # noqa: E402
-from bench.speed import cpu_flags  # noqa: E402
+from bench.speed import cpu_flags, measured_run  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder, get_embedder  # noqa: E402
@@ -73,21 +71,15 @@ ST_BATCH = 32  # SentenceTransformer.encode's default batch size
 
 
 class PeakRss:
-    """Highest resident set size of this process (and children) while the block runs."""
+    """Highest resident set size of this process while the block runs (a child's: see
+    ``bench.speed.measured_run``)."""
 
-    def __init__(self, children: bool = False) -> None:
-        self.children = children
+    def __init__(self) -> None:
         self.peak = 0
         self._stop = threading.Event()
 
     def _rss(self) -> int:
-        proc = psutil.Process()
-        rss = proc.memory_info().rss
-        if self.children:
-            for child in proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    rss += child.memory_info().rss
-        return rss
+        return psutil.Process().memory_info().rss
 
     def _watch(self) -> None:
         while not self._stop.wait(0.02):
@@ -218,14 +210,10 @@ def run_cold(texts: list[str], workdir: Path, tag: str) -> tuple[float, float, d
     else:
         script = "from flows.cli import run; run()"
         cmd = [sys.executable, "-c", script, "embed", str(corpus), str(folder / "out"), "--json"]
-    with PeakRss(children=True) as watch:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate()
-        seconds = time.perf_counter() - start
-    if proc.returncode:
-        raise SystemExit(f"{tag} failed: {err.decode()[-2000:]}")
-    return seconds, watch.mib, json.loads(out) if tag == "cli" else None
+    code, seconds, rss, out, err = measured_run(cmd, ROOT)
+    if code:
+        raise SystemExit(f"{tag} failed: {err[-2000:]}")
+    return seconds, rss, json.loads(out) if tag == "cli" else None
 
 
 def cli_stages(summary: dict, wall: float, flops: float, peak: float) -> dict:
