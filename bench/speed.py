@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,20 +64,36 @@ def corpus(folder: Path, rows: int) -> Path:
     return path
 
 
+# runs the command as its own child and reports its wall seconds and peak RSS (wait4): from a
+# small process, since a child's ru_maxrss starts at the RSS of the process it was forked from
+# (a bench holding 1.8 GB saw 1.8 GB for every command it ran)
+_MEASURE = """
+import json, os, subprocess, sys, time
+started = time.perf_counter()
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+report = {"seconds": time.perf_counter() - started, "peak_rss_kib": usage.ru_maxrss,
+          "exit": os.waitstatus_to_exitcode(status)}
+open(sys.argv[1], "w").write(json.dumps(report))
+"""
+
+
 def measured_run(cmd: list[str], cwd: Path, env: dict | None = None
                  ) -> tuple[int, float, float, str, str]:
-    """Run ``cmd``: (exit code, wall seconds, its peak RSS in MiB, stdout, stderr). The peak
-    comes from ``wait4`` when it ends: nothing polls it meanwhile (a poll of the process tree
-    every 20 ms slowed a cold `embedpipe embed` on 2 cores by 12-16%)."""
-    started = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=so, stderr=se, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - started
-        so.seek(0)
-        se.seek(0)
-        out, err = so.read(), se.read()
-    return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 1024, out, err
+    """Run ``cmd``: (exit code, wall seconds, its peak RSS in MiB, stdout, stderr). Nothing
+    polls it meanwhile (a poll of the process tree every 20 ms slowed a cold `embedpipe embed`
+    on 2 cores by 12-16%): the peak comes from ``wait4`` when it ends."""
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
+        folder = Path(tmp)
+        report = folder / "report.json"
+        with open(folder / "out", "w+") as so, open(folder / "err", "w+") as se:
+            subprocess.run([sys.executable, "-c", _MEASURE, str(report), *cmd], cwd=cwd,
+                           env=env, stdout=so, stderr=se, check=False)
+            so.seek(0)
+            se.seek(0)
+            out, err = so.read(), se.read()
+        measured = json.loads(report.read_text())
+    return measured["exit"], measured["seconds"], measured["peak_rss_kib"] / 1024, out, err
 
 
 def embed(tree: Path, corpus_path: Path, out: Path, model: Path, env: dict) -> dict:
