@@ -133,11 +133,12 @@ def timed(fn: Callable[[], object]) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def encoder_flops(lengths: np.ndarray, config) -> float:
-    """Forward FLOPs of a BERT-style encoder over rows of ``lengths`` real tokens (no padding)."""
+def encoder_flops(lengths: np.ndarray, config, attention: bool = True) -> float:
+    """Forward FLOPs of a BERT-style encoder over rows of ``lengths`` real tokens (no padding):
+    its products (projections, FFN) and, with ``attention``, the attention's own."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     n = lengths.astype(np.float64)
-    per_layer = 8 * n * h * h + 4 * n * h * i + 4 * n * n * h  # projections, FFN, attention
+    per_layer = 8 * n * h * h + 4 * n * h * i + (4 * n * n * h if attention else 0)
     return float(layers * per_layer.sum())
 
 

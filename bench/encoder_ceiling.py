@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -85,8 +83,8 @@ def replay(calls: list, fused_layer: FusedLayer) -> float:
 
 
 def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> dict:
-    model = embedder.encoder.model
-    flops = encoder_flops(real_lengths(embedder, texts), model.config)
+    model, lengths = embedder.encoder.model, real_lengths(embedder, texts)
+    flops = encoder_flops(lengths, model.config)
     best: tuple[float, ProductTimer] | None = None
     for _ in range(rounds):
         with ProductTimer() as timer:
@@ -99,7 +97,7 @@ def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> d
     layer = next(m for m in model.modules() if isinstance(m, FusedLayer))
     alone = min(on_torch_thread(replay, timer.calls, layer) for _ in range(rounds))
     products, padded = timer.seconds(), timer.flops()
-    model_products = flops - _attention_flops(real_lengths(embedder, texts), model.config)
+    model_products = encoder_flops(lengths, model.config, attention=False)
     return {
         "docs": len(texts), "encode_s": round(seconds, 3),
         "encoder_of_peak": round(flops / seconds / 1e9 / peak, 3),
@@ -109,12 +107,6 @@ def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> d
         "padding_share_of_product_flops": round(1 - model_products / padded, 3),
         "ceiling_of_peak": round(flops / products / 1e9 / peak, 3),
     }
-
-
-def _attention_flops(lengths: np.ndarray, config) -> float:
-    """The attention's own products (scores and context), which ``encoder_flops`` counts."""
-    n = lengths.astype(np.float64)
-    return float(config.num_hidden_layers * (4 * n * n * config.hidden_size).sum())
 
 
 def main(argv: list[str] | None = None) -> int:
