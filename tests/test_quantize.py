@@ -4,12 +4,15 @@ fused oneDNN int8 path: tests/test_int8_fused.py."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_bert
 
 from pipeline import int8_linear
 from pipeline.config import EncoderConfig, PoolerSpec
@@ -36,11 +39,28 @@ def test_int8_runs_in_onnx_runtime_close_to_fp32(tiny_model_dir: Path, cache: Pa
     assert len(list(cache.glob("*.onnx"))) == 1  # the int8 model, kept for the next start
 
 
-def test_int8_vectors_depend_on_their_text_alone_not_on_batch_mates(tiny_model_dir: Path,
-                                                                     cache: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_mpnets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An architecture ONNX Runtime's BERT fusions leave alone, which takes no token type ids:
+    with its own tokenizer's inputs, and with a tokenizer that gives token type ids anyway
+    (the exported graph drops the input the model ignores)."""
+    plain = build_tiny_bert(tmp_path_factory.mktemp("tiny-mpnet"), kind="mpnet")
+    typed = shutil.copytree(plain, tmp_path_factory.mktemp("typed") / "mpnet")
+    options = json.loads((typed / "tokenizer_config.json").read_text())
+    del options["model_input_names"]  # the BERT tokenizer's own: token type ids too
+    (typed / "tokenizer_config.json").write_text(json.dumps(options))
+    return {"mpnet": plain, "mpnet-given-token-types": typed}
+
+
+@pytest.mark.parametrize("kind", ["bert", "mpnet", "mpnet-given-token-types"])
+def test_int8_vectors_depend_on_their_text_alone_not_on_batch_mates(
+    kind: str, tiny_model_dir: Path, tiny_mpnets: dict[str, Path], cache: Path
+) -> None:
     import onnx
 
-    int8 = _embedder(tiny_model_dir, "int8")
+    model = tiny_mpnets.get(kind, tiny_model_dir)
+    fp32, int8 = _embedder(model, "fp32"), _embedder(model, "int8")
+    check_int8_vectors(fp32, int8, "-onnx-int8-static")
     together = int8.encode(TEXTS)
     [built] = cache.glob("*.onnx")
     ops = {node.op_type for node in onnx.load(str(built)).graph.node}

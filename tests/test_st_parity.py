@@ -123,3 +123,18 @@ def test_seed_poolers_read_token_states_and_model_head_applies_the_modules(
     worst = assert_same(vectors["cls_head"], expected, "cls + model_head")
     print(f"\ncls + model_head (Dense 32->12 Tanh, Normalize): min cosine {worst:.7f}")
     assert row_cosines(vectors["cls"][:, :12], expected).min() < 0.99  # not the model's head
+
+
+def test_a_model_without_sdpa_matches_sentence_transformers(tmp_path: Path,
+                                                            texts: list[str]) -> None:
+    """MPNet, all-mpnet-base-v2's architecture: transformers has no SDPA for it, so it runs
+    its eager attention (asking for SDPA failed its load)."""
+    from sentence_transformers import SentenceTransformer
+
+    base = build_tiny_bert(tmp_path / "base", kind="mpnet")
+    folder = save_variant(base, tmp_path / "st", Variant("mpnet_mean_norm", "mean",
+                                                         normalize=True))
+    ours = ours_for(folder)
+    assert ours.encoder.model.config._attn_implementation == "eager"
+    theirs = SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=32)
+    assert_same(ours.encode(texts, "model"), theirs, "mpnet documents")

@@ -150,7 +150,8 @@ def transformers_config(config, files: ModelFiles, trust_remote_code: bool):
 
 def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool, config):
     """The transformer in eval mode, its weights in float32; eager attention only where asked
-    (a pooler reads the attention weights, or the int8 path exports the graph), SDPA otherwise.
+    (a pooler reads the attention weights, or the int8 path exports the graph), else SDPA
+    where the architecture has it (transformers' choice: MPNet, for one, has only eager).
 
     float32 whatever dtype the checkpoint stores: transformers 5 loads a checkpoint in its
     stored dtype, so an fp16-saved model would otherwise run fp16 products where the run says
@@ -160,7 +161,7 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool, co
     _quiet_transformers()
     from transformers import AutoModel
 
-    attn = "eager" if eager else "sdpa"
+    attn = "eager" if eager else None
     model = AutoModel.from_pretrained(str(files.transformer_dir), config=config,
                                       attn_implementation=attn, dtype=torch.float32,
                                       **_model_args(files), **_hub(trust_remote_code))
