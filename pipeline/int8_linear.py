@@ -119,11 +119,12 @@ class Int8Linear(torch.nn.Module):
         self.observed: tuple[float, float] | None = None  # (low, high) while calibrating
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.observed is not None:
-            low, high = torch.aminmax(x)
-            self.observed = (min(self.observed[0], float(low)),
-                             max(self.observed[1], float(high)))
-        q, scale, zero = quantize_uint8(x, self.input_qparams)
+        qparams = self.input_qparams
+        if self.observed is not None:  # calibrating: this batch's own range, kept
+            low, high = (float(v) for v in torch.aminmax(x))
+            self.observed = (min(self.observed[0], low), max(self.observed[1], high))
+            qparams = uint8_qparams(low, high)
+        q, scale, zero = quantize_uint8(x, qparams)
         return torch.ops.onednn.qlinear_pointwise(
             q, scale, zero, self.packed, self.scales, self.zeros, self.bias, 1.0, 0,
             torch.bfloat16, self.post_op, [], self.algorithm)

@@ -30,3 +30,13 @@ def check_int8_vectors(fp32: Embedder, int8: Embedder, suffix: str) -> np.ndarra
     assert int8.fingerprint("mean") != fp32.fingerprint("mean")  # ...so the set is another
     assert int8.info.model_hash == f"{fp32.info.model_hash}{suffix}"
     return b
+
+
+def check_text_alone(int8: Embedder) -> None:
+    """A text's int8 vector is the same encoded alone, with TEXTS, or beside longer batch-mates
+    (more padding): its input scales do not come from the batch."""
+    together = int8.encode(TEXTS)
+    alone = np.concatenate([int8.encode([text]) for text in TEXTS[:6]])
+    np.testing.assert_allclose(alone, together[:6], atol=1e-6)
+    others = [text_for(i) * 3 for i in range(100, 140)]
+    np.testing.assert_allclose(int8.encode(TEXTS[:6] + others)[:6], together[:6], atol=1e-6)

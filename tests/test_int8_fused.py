@@ -28,7 +28,7 @@ from pipeline.int8_linear import (
 from pipeline.models.hashing import int8_hint
 from pipeline.vectors import row_cosines
 from tests._flowkit import job, run_library, text_for, write_corpus
-from tests._int8 import TEXTS, check_int8_vectors, embedder
+from tests._int8 import TEXTS, check_int8_vectors, check_text_alone, embedder
 
 needs_int8 = pytest.mark.skipif(not onednn_int8_available(),
                                 reason="no oneDNN int8 product or no native bf16 on this CPU")
@@ -89,11 +89,7 @@ def test_int8_vectors_depend_on_their_text_alone_not_on_batch_mates(
     again = [m.input_qparams for m in embedder(tiny_model_dir, "int8").encoder.model.modules()
              if isinstance(m, Int8Linear)]
     assert again == [m.input_qparams for m in layers]  # calibrated alike on every load
-    together = int8.encode(TEXTS)  # per-batch scales: 6e-5 and 9e-5 apart from the two below
-    alone = np.concatenate([int8.encode([text]) for text in TEXTS[:6]])
-    np.testing.assert_allclose(alone, together[:6], atol=1e-6)
-    others = [text_for(i) * 3 for i in range(100, 140)]  # longer batch-mates, more padding
-    np.testing.assert_allclose(int8.encode(TEXTS[:6] + others)[:6], together[:6], atol=1e-6)
+    check_text_alone(int8)  # with per-batch scales: 6e-5 and 9e-5 apart
 
 
 def test_a_set_of_a_retired_int8_scheme_is_refused_with_why() -> None:
