@@ -100,8 +100,9 @@ class Encoder:
             config, self.tokenizer = recorded.load(self.files, self.files_hash,
                                                    cfg.trust_remote_code)
             self.int8_kernel = self._int8_kernel(config)
+            self.fused = self._fuses(config, need_attention)
             self.fp32_kernel = self._fp32_kernel()
-            self.model, self.fused = self._load_model(config, need_attention)
+            self.model = self._load_model(config, need_attention)
         except ConfigError:
             raise
         except (OSError, ValueError, KeyError) as exc:
@@ -110,8 +111,6 @@ class Encoder:
         # SDPA kernels the forward may use: "by_width" (a GPU: NARROW_SDPA for batches under
         # CUDNN_MIN_WIDTH tokens, torch's own order above), None (torch's order) or a list
         self.sdpa_backends: str | list | None = "by_width" if self.device.type == "cuda" else None
-        self.token_budget, self.max_batch_rows = batch_limits(
-            cfg, self.device, int(self.model.config.hidden_size))
         self.min_fill = MIN_FILL.get(self.device.type, MIN_FILL["cpu"])
         self.model.to(self.device)
         head = loader.load_head(self.files).to(self.device)
@@ -133,6 +132,9 @@ class Encoder:
         runner = "fused" if self.fused else self.model.config._attn_implementation
         model_key = f"{self.files_hash}-{runner}-{self.fp32_kernel}"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)
+        inner = int(getattr(self.model.config, "intermediate_size", 4 * self.hidden_size))
+        self.token_budget, self.max_batch_rows = batch_limits(
+            cfg, self.device, self.hidden_size, inner, self.dtype)
         self.model_hash = quantized_hash(self.files_hash, self.int8_kernel)
         if self.int8_kernel == "onednn":
             self.model.to_int8(self._int8_calibration())
@@ -170,39 +172,48 @@ class Encoder:
         check_onnxruntime()
         return "onnxruntime"
 
+    def _fuses(self, config, need_attention: bool) -> bool:
+        """Whether ``FusedBert`` runs the model: it computes what the model does (a CPU, a
+        BERT-family model), no attention weights are wanted and the model is not handed on."""
+        from pipeline.fused_bert import fusable
+
+        return not (need_attention or self._handed_on) and fusable(config, self.device)
+
     def _fp32_kernel(self) -> str:
         """``onednn`` where this CPU runs fp32 products faster through oneDNN (see
-        ``pipeline.onednn``), else ``default``. Not where the torch model is handed on (int8's
-        ONNX export traces it, Inductor picks its own kernels)."""
+        ``pipeline.onednn``; for the fused forward, at least as fast: there oneDNN's product
+        also adds the bias and applies GELU), else ``default``. Not where the torch model is
+        handed on (int8's ONNX export traces it, Inductor picks its own kernels)."""
         from pipeline.hardware import cpu_fp32_onednn_is_faster
+        from pipeline.onednn import FUSED_MIN_GAIN, MIN_GAIN
 
-        if self.device.type != "cpu" or self._handed_on or not cpu_fp32_onednn_is_faster():
+        gain = FUSED_MIN_GAIN if self.fused else MIN_GAIN
+        if self.device.type != "cpu" or self._handed_on or not cpu_fp32_onednn_is_faster(gain):
             return "default"
         return "onednn"
 
-    def _load_model(self, config, need_attention: bool) -> tuple[torch.nn.Module, bool]:
-        """(model, fused): a ``FusedBert`` where it computes what the model does (a CPU, a
-        BERT-family model, no attention weights wanted, the model not handed on), its weights
-        read without transformers' model classes where the files allow; else transformers'
-        model, its fp32 Linear layers through oneDNN where that kernel won."""
-        from pipeline.fused_bert import FusedBert, fusable
+    def _load_model(self, config, need_attention: bool) -> torch.nn.Module:
+        """A ``FusedBert`` where it runs the model (``_fuses``), its weights read without
+        transformers' model classes where the files allow; else transformers' model, its fp32
+        Linear layers through oneDNN where that kernel won."""
+        from pipeline.fused_bert import FusedBert
 
         trust = self.cfg.trust_remote_code
         eager = need_attention or self.int8_kernel == "onnxruntime"
         onednn = self.fp32_kernel == "onednn"
-        if not (need_attention or self._handed_on) and fusable(config, self.device):
+        if self.fused:
             state = loader.read_bert_weights(self.files, config)
             if state is None:
                 config = loader.transformers_config(config, self.files, trust)
                 state = loader.load_transformer(self.files, trust, eager, config).state_dict()
-            return FusedBert(config, state, onednn_fp32=onednn), True
+            return FusedBert(config, state, onednn_fp32=onednn)
         config = loader.transformers_config(config, self.files, trust)
         model = loader.load_transformer(self.files, trust, eager, config)
         if onednn:
             from pipeline.onednn import use_onednn_linear
 
             use_onednn_linear(model)
-        return model, False
+        return model
 
     @property
     def _handed_on(self) -> bool:
@@ -395,6 +406,16 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # 131,072 x 4,096 (bench/gpu.py). Its budget is for a 384-wide model; a wider one gets
 # proportionally fewer tokens, so activations fit a smaller card's memory.
 BATCH_LIMITS = {"cpu": (8192, 256), "cuda": (131072, 4096)}
+# On a CPU a batch's FFN activation ([tokens, intermediate]) stays within CPU_ACTIVATION_BYTES, so
+# that what one product writes the next reads from cache: fewer tokens for wider models and fp32.
+# On the AVX512 EPYC, MiniLM (1,536 inner) in fp32 took 5.5-5.7 s over 300 long texts at 4,096
+# tokens x 128 rows against 6.6-6.8 at 8,192 x 256 (9.3-9.4 against 10.5-11.1 with the kernels
+# capped to AVX2), summaries 3-4% less time, and in bf16 (24 MiB at 8,192) the two ran alike; a
+# BERT-base shape (3,072 inner, random weights) in bf16 took 9.6-10.0 s over 100 long texts at
+# 4,096 against 10.6-11.9 at 8,192, 1,000 summaries 3.43-3.45 against 3.52-3.59 s.
+CPU_ACTIVATION_BYTES = 24 << 20
+# int8: oneDNN's int8 products give bf16 (ONNX Runtime's give fp32; its batches were not timed)
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 2}
 TIMING_BATCH = {"cpu": (16, 64), "cuda": (256, 128)}  # (rows, tokens) the dtype check times
 # A batch ends before its real tokens fall under this share of its padded ones: on a CPU a padded
 # token costs what a real one does (0.9: MiniLM on 600 summaries 1,489 docs/s; 0.5: 1,029); on a
@@ -410,13 +431,17 @@ NARROW_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBa
 CUDNN_MIN_WIDTH = 128
 
 
-def batch_limits(cfg: EncoderConfig, device: torch.device, hidden: int = 384
-                 ) -> tuple[int, int]:
+def batch_limits(cfg: EncoderConfig, device: torch.device, hidden: int, inner: int,
+                 dtype: str) -> tuple[int, int]:
     """(padded tokens, rows) per forward batch: the job's, else ``BATCH_LIMITS``'s for the
-    device (on a GPU scaled to the model's ``hidden`` width)."""
+    device, on a GPU scaled to the model's ``hidden`` width, on a CPU halved (tokens and rows)
+    while the FFN's activation, ``inner`` wide in ``dtype``, passes ``CPU_ACTIVATION_BYTES``."""
     budget, rows = BATCH_LIMITS.get(device.type, BATCH_LIMITS["cpu"])
     if device.type == "cuda":
         budget = max(budget * 384 // max(hidden, 384), BATCH_LIMITS["cpu"][0])
+    else:
+        while budget * inner * ACTIVATION_BYTES[dtype] > CPU_ACTIVATION_BYTES and rows > 1:
+            budget, rows = budget // 2, rows // 2
     return cfg.token_budget or budget, cfg.max_batch_rows or rows
 
 

@@ -29,6 +29,9 @@ from pathlib import Path
 from pipeline.settings import cache_root
 
 CAPPED_ISA = "AVX512_CORE_BF16"
+# what caps oneDNN's, ATen's and MKL's CPU kernels below what the CPU has
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+            "MKL_ENABLE_INSTRUCTIONS")
 # kernels kept per cache: a batch's few shapes, and its neighbours' (a user's setting wins)
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 
@@ -61,7 +64,8 @@ print(json.dumps({name: 5 * 2 * 512 * 384 * 1536 / s / 1e9 for name, s in best.i
 
 
 def cpu_key() -> str:
-    """This CPU (model and flags) and torch version, as a short hash."""
+    """This CPU (model and flags), the instruction sets its kernels are capped to (the variables
+    below: the same CPU runs other kernels under them) and torch's version, as a short hash."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -71,7 +75,8 @@ def cpu_key() -> str:
         flags = platform.processor()
     import torch
 
-    return hashlib.sha256(f"{flags}|{torch.__version__}".encode()).hexdigest()[:16]
+    caps = "|".join(f"{name}={os.environ.get(name, '')}" for name in ISA_CAPS)
+    return hashlib.sha256(f"{flags}|{caps}|{torch.__version__}".encode()).hexdigest()[:16]
 
 
 def _cache_file() -> Path:
@@ -155,11 +160,9 @@ def cpu_bf16_is_faster() -> bool:
     return profile["bf16_gflops"] > 1.2 * profile["fp32_gflops"]
 
 
-def cpu_fp32_onednn_is_faster() -> bool:
-    """True when fp32 products run faster through oneDNN than torch's default (MKL) here, by
-    ``pipeline.onednn.MIN_GAIN`` or more."""
-    from pipeline.onednn import MIN_GAIN
-
+def cpu_fp32_onednn_is_faster(min_gain: float) -> bool:
+    """True when fp32 products run through oneDNN at ``min_gain`` times torch's default (MKL)
+    speed here, or faster (see ``pipeline.onednn``)."""
     profile = cpu_profile()
     onednn, default = profile.get("fp32_onednn_gflops"), profile.get("fp32_gflops")
-    return bool(onednn and default and onednn >= MIN_GAIN * default)
+    return bool(onednn and default and onednn >= min_gain * default)

@@ -13,7 +13,7 @@ import torch
 from pipeline import hardware
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
-from pipeline.onednn import MIN_GAIN, OneDnnLinear, use_onednn_linear
+from pipeline.onednn import FUSED_MIN_GAIN, MIN_GAIN, OneDnnLinear, use_onednn_linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch has no oneDNN")
@@ -32,11 +32,12 @@ def test_onednn_is_used_only_where_the_probe_measured_it_faster(
         monkeypatch.setattr(hardware, "cpu_profile",
                             lambda: {"fp32_gflops": 200.0, "fp32_onednn_gflops": onednn})
     profile(200.0 * MIN_GAIN)
-    assert hardware.cpu_fp32_onednn_is_faster()
+    assert hardware.cpu_fp32_onednn_is_faster(MIN_GAIN)
     profile(200.0 * MIN_GAIN * 0.99)  # about as fast: keep torch's default, bit for bit
-    assert not hardware.cpu_fp32_onednn_is_faster()
+    assert not hardware.cpu_fp32_onednn_is_faster(MIN_GAIN)
+    assert hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN)
     profile(None)  # a torch without oneDNN, or a probe that could not time it
-    assert not hardware.cpu_fp32_onednn_is_faster()
+    assert not hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN)
 
 
 def test_a_onednn_linear_is_the_linear_in_fp32_and_exactly_it_otherwise() -> None:
@@ -60,22 +61,32 @@ def test_a_onednn_linear_is_the_linear_in_fp32_and_exactly_it_otherwise() -> Non
 
 def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def embedder(faster: bool, pooler: str = "mean") -> Embedder:
-        monkeypatch.setattr(hardware, "cpu_fp32_onednn_is_faster", lambda: faster)
+    def embedder(onednn_gflops: float, pooler: str = "mean") -> Embedder:
+        monkeypatch.setattr(hardware, "cpu_profile", lambda: {
+            "fp32_gflops": 200.0, "fp32_onednn_gflops": onednn_gflops, "bf16_gflops": 200.0,
+            "bf16_ok": True, "amx_traps": False})
         cfg = EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu")
         return Embedder(cfg, [PoolerSpec(name=pooler)])
 
-    default, fast = embedder(False), embedder(True)
-    assert (default.encoder.fp32_kernel, fast.encoder.fp32_kernel) == ("default", "onednn")
-    assert not any(isinstance(m, OneDnnLinear) for m in default.encoder.model.modules())
+    def kernels(onednn_gflops: float) -> tuple[str, str]:
+        """(the fused forward's fp32 kernel, that of a model that keeps its own forward: here
+        its attention weights are pooled)"""
+        fused, own = embedder(onednn_gflops), embedder(onednn_gflops, pooler="attention")
+        assert fused.encoder.fused and not own.encoder.fused
+        turned = any(isinstance(m, OneDnnLinear) for m in own.encoder.model.modules())
+        assert turned == (own.encoder.fp32_kernel == "onednn")
+        return fused.encoder.fp32_kernel, own.encoder.fp32_kernel
+
+    assert kernels(190.0) == ("default", "default")
+    # as fast or a little faster: the fused forward gains oneDNN's fused bias and GELU too;
+    # transformers' forward keeps torch's default kernel, bit for bit
+    assert kernels(220.0) == ("onednn", "default")
+    assert kernels(260.0) == ("onednn", "onednn")
+    default, fast = embedder(190.0), embedder(260.0)
     np.testing.assert_allclose(fast.encode(TEXTS), default.encode(TEXTS), atol=1e-6)
     assert fast.fingerprint("mean") == default.fingerprint("mean")  # the same set
-    # a model that keeps its own forward (here: its attention weights are pooled) gets its fp32
-    # Linear layers through oneDNN; the fused forward calls the same kernel itself
-    own = embedder(True, pooler="attention")
-    assert not own.encoder.fused and own.encoder.fp32_kernel == "onednn"
-    assert any(isinstance(m, OneDnnLinear) for m in own.encoder.model.modules())
     assert not any(isinstance(m, OneDnnLinear) for m in fast.encoder.model.modules())
+    assert all(layer.onednn_fp32 for layer in fast.encoder.model.layers)
 
 
 @pytest.mark.parametrize(("dies_after", "expected"), [

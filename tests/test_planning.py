@@ -109,16 +109,28 @@ def test_batch_limits_are_the_jobs_else_the_devices_and_a_gpus_shrink_with_width
 
     from pipeline.batching import SLICE_ROWS, slice_rows
     from pipeline.config import EncoderConfig
-    from pipeline.encoder import BATCH_LIMITS, batch_limits
+    from pipeline.encoder import BATCH_LIMITS, CPU_ACTIVATION_BYTES, batch_limits
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name needs no GPU
-    assert batch_limits(EncoderConfig(), cpu, hidden=1024) == BATCH_LIMITS["cpu"]
+    job = EncoderConfig()
+    tokens, rows = BATCH_LIMITS["cpu"]
+    assert 1536 * tokens * 2 <= CPU_ACTIVATION_BYTES  # MiniLM in bf16: the whole budget
+    for dtype in ("bf16", "int8"):
+        assert batch_limits(job, cpu, 384, 1536, dtype) == (tokens, rows)
+        assert batch_limits(job, cpu, 32, 64, dtype) == (tokens, rows)  # never above it
+    # twice the bytes a token: half the tokens and rows (BERT-base in bf16, MiniLM in fp32)
+    assert batch_limits(job, cpu, 384, 1536, "fp32") == (tokens // 2, rows // 2)
+    assert batch_limits(job, cpu, 768, 3072, "bf16") == (tokens // 2, rows // 2)
+    assert batch_limits(job, cpu, 768, 3072, "fp32") == (tokens // 4, rows // 4)
+    assert batch_limits(job, cpu, 10**4, 10**9, "fp32")[1] == 1  # at least a row
     tokens, rows = BATCH_LIMITS["cuda"]
-    assert batch_limits(EncoderConfig(), cuda, hidden=384) == (tokens, rows)
-    assert batch_limits(EncoderConfig(), cuda, hidden=1024) == (tokens * 384 // 1024, rows)
-    assert batch_limits(EncoderConfig(), cuda, hidden=10**6)[0] == BATCH_LIMITS["cpu"][0]
+    for dtype in ("bf16", "fp16", "fp32"):
+        assert batch_limits(job, cuda, 384, 1536, dtype) == (tokens, rows)
+    assert batch_limits(job, cuda, 1024, 4096, "bf16") == (tokens * 384 // 1024, rows)
+    assert batch_limits(job, cuda, 10**6, 10**6, "bf16")[0] == BATCH_LIMITS["cpu"][0]
     mine = EncoderConfig(token_budget=5000, max_batch_rows=70)
-    assert batch_limits(mine, cuda, hidden=1024) == (5000, 70)
+    assert batch_limits(mine, cuda, 1024, 4096, "bf16") == (5000, 70)
+    assert batch_limits(mine, cpu, 768, 3072, "fp32") == (5000, 70)
     # a slice holds a few batches' rows, never fewer than SLICE_ROWS texts
     assert slice_rows(BATCH_LIMITS["cpu"][1]) == SLICE_ROWS
     assert slice_rows(rows) == 4 * rows

@@ -12,7 +12,14 @@ import torch
 from pipeline.config import EncoderConfig
 from pipeline.encoder import Encoder
 from pipeline.fused_bert import FusedBert
-from pipeline.hardware import ONEDNN_CACHES, cpu_bf16_is_faster, cpu_profile, prepare_cpu_kernels
+from pipeline.hardware import (
+    ISA_CAPS,
+    ONEDNN_CACHES,
+    cpu_bf16_is_faster,
+    cpu_key,
+    cpu_profile,
+    prepare_cpu_kernels,
+)
 from pipeline.models import loader
 from pipeline.precision import MIN_COSINE, DtypeCheck, cached_check, choose_dtype
 
@@ -149,3 +156,17 @@ def test_onednn_kernel_caches_are_bounded_unless_the_user_set_them(
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == ONEDNN_CACHES[
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
     assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+
+
+def test_kernels_capped_to_another_instruction_set_are_measured_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe and every dtype check are cached by ``cpu_key``: the same CPU with its kernels
+    capped to AVX2 (bf16 emulated) must not reuse what its uncapped kernels measured."""
+    for name in ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    keys = {cpu_key()}
+    for name, value in zip(ISA_CAPS, ("AVX2", "AVX2", "avx2", "AVX2"), strict=True):
+        monkeypatch.setenv(name, value)
+        keys.add(cpu_key())
+        assert cpu_key() in keys  # stable
+    assert len(keys) == 1 + len(ISA_CAPS)
