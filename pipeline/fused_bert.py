@@ -9,8 +9,9 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
 
 * one [hidden, 3 x hidden] product for query, key and value (the 1/sqrt(head) scale folded into
   the query weights once), one cast of the residual stream per product;
-* GELU in the product's epilogue (oneDNN's fused ``linear_pointwise``; fp32 through oneDNN only
-  where ``pipeline.onednn`` measured it faster than MKL, else ``F.linear`` then ``F.gelu``);
+* GELU in the product's epilogue (oneDNN's fused ``linear_pointwise``; fp32 through oneDNN
+  where the CPU probe timed it at least as fast as MKL (``pipeline.onednn.FUSED_MIN_GAIN``),
+  else ``F.linear`` then ``F.gelu``);
 * attention in bf16 as two batched products around a softmax (the padding mask, built once a
   forward, added inside the first product; none for a batch without padding), over blocks of
   rows whose score tensor stays within ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a
