@@ -414,7 +414,8 @@ BATCH_LIMITS = {"cpu": (8192, 256), "cuda": (131072, 4096)}
 # BERT-base shape (3,072 inner, random weights) in bf16 took 9.6-10.0 s over 100 long texts at
 # 4,096 against 10.6-11.9 at 8,192, 1,000 summaries 3.43-3.45 against 3.52-3.59 s.
 CPU_ACTIVATION_BYTES = 24 << 20
-# int8: oneDNN's int8 products give bf16 (ONNX Runtime's give fp32; its batches were not timed)
+# int8: oneDNN's int8 products give bf16; ONNX Runtime's give fp32, yet its MiniLM ran alike at
+# 8,192, 4,096 and 2,048 tokens (summaries 1.79-1.81 / 1.79-1.80 / 1.76-1.88 s), so 2 bytes
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 2}
 TIMING_BATCH = {"cpu": (16, 64), "cuda": (256, 128)}  # (rows, tokens) the dtype check times
 # A batch ends before its real tokens fall under this share of its padded ones: on a CPU a padded
