@@ -53,17 +53,19 @@ def uint8_qparams(low: float, high: float) -> tuple[float, int]:
     return scale, round(-low / scale)
 
 
-def quantize_uint8(x: torch.Tensor, qparams: tuple[float, int] | None = None
+def value_range(x: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of ``x``."""
+    low, high = torch.aminmax(x)
+    return float(low), float(high)
+
+
+def quantize_uint8(x: torch.Tensor, qparams: tuple[float, int]
                    ) -> tuple[torch.Tensor, float, int]:
-    """``x`` as uint8 with one (scale, zero point): ``qparams``, or without them ``x``'s own
-    range (``uint8_qparams``); rounded half up, clipped to the range. Computed in fp32 (a bf16
-    ``x`` is widened first: 8 bits of mantissa cannot hold 255 steps)."""
-    x = x.float()
-    if qparams is None:
-        low, high = torch.aminmax(x)
-        qparams = uint8_qparams(float(low), float(high))
+    """``x`` as uint8 with ``qparams`` (scale, zero point); rounded half up, clipped to the
+    range. Computed in fp32 (a bf16 ``x`` is widened first: 8 bits of mantissa cannot hold 255
+    steps)."""
     scale, zero = qparams
-    shifted = torch.add(torch.tensor(zero + 0.5), x, alpha=1.0 / scale)  # one pass: x/s + z + .5
+    shifted = torch.add(torch.tensor(zero + 0.5), x.float(), alpha=1.0 / scale)  # x/s + z + .5
     return shifted.clamp_(0, QMAX).to(torch.uint8), scale, zero  # the cast truncates
 
 
@@ -120,9 +122,10 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qparams = self.input_qparams
-        if self.observed is not None:  # calibrating: this batch's own range, kept
-            low, high = (float(v) for v in torch.aminmax(x))
-            self.observed = (min(self.observed[0], low), max(self.observed[1], high))
+        if qparams is None or self.observed is not None:  # not fixed: this batch's own range
+            low, high = value_range(x)
+            if self.observed is not None:  # calibrating: the range kept
+                self.observed = (min(self.observed[0], low), max(self.observed[1], high))
             qparams = uint8_qparams(low, high)
         q, scale, zero = quantize_uint8(x, qparams)
         return torch.ops.onednn.qlinear_pointwise(
