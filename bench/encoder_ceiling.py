@@ -68,7 +68,7 @@ class ProductTimer:
         return sum(call[-1] for call in self.calls)
 
     def flops(self) -> float:
-        return sum(2.0 * shape.numel() * layer.weight.shape[0]
+        return sum(2.0 * shape.numel() * layer.out_features
                    for shape, layer, *_ in self.calls)
 
 

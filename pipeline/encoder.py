@@ -141,6 +141,8 @@ class Encoder:
         elif self.int8_kernel == "onnxruntime":
             self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types,
                                        self._int8_calibration())
+        elif self.fused:
+            self.model.pack(HALF.get(self.dtype, torch.float32))
         elif self.dtype in HALF:
             cast_linear_weights(self.model, HALF[self.dtype])
         self.compiled = cfg.compile

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.int8_linear import Int8Linear, calibrate
+from pipeline.onednn import PackedLinear, packs
 
 FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's algorithm
@@ -147,15 +148,30 @@ class FusedLayer(torch.nn.Module):
 
     def to_int8(self) -> None:
         """Query/key/value, the attention output and the FFN's first product (GELU fused) in
-        int8; the FFN's second product stays as it is (see ``pipeline.int8_linear``)."""
+        int8; the FFN's second product in bf16 (see ``pipeline.int8_linear``)."""
         self.qkv, self.out_proj = Int8Linear(self.qkv), Int8Linear(self.out_proj)
         self.up = Int8Linear(self.up, gelu=self.gelu)
+        self.pack(torch.bfloat16)
+
+    def pack(self, dtype: torch.dtype) -> None:
+        """Run the products that are still ``nn.Linear`` in ``dtype`` through oneDNN over
+        weights packed once (``PackedLinear``), where that runs here; else cast their weights
+        to ``dtype`` once (an fp32 forward through MKL keeps them as they are)."""
+        for name in ("qkv", "out_proj", "up", "down"):
+            linear = getattr(self, name)
+            if not isinstance(linear, torch.nn.Linear):
+                continue
+            if packs(dtype) and (dtype != torch.float32 or self.onednn_fp32):
+                gelu = self.gelu if name == "up" else None
+                setattr(self, name, PackedLinear(linear, dtype, gelu))
+            else:
+                linear.to(dtype)
 
     def _linear(self, x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype,
                 activation: bool = False) -> torch.Tensor:
-        """``layer(x)`` in ``dtype`` (an ``Int8Linear`` quantizes ``x`` itself), GELU after
-        where ``activation``."""
-        if isinstance(layer, Int8Linear):
+        """``layer(x)`` in ``dtype``, GELU after where ``activation`` (an ``Int8Linear`` or a
+        ``PackedLinear`` casts ``x`` and applies its GELU itself)."""
+        if isinstance(layer, (Int8Linear, PackedLinear)):
             return layer(x)
         x, weight, bias = x.to(dtype), layer.weight.to(dtype), layer.bias.to(dtype)  # no-ops
         if dtype != torch.float32 or self.onednn_fp32:
@@ -172,7 +188,8 @@ class FusedBert(torch.nn.Module):
 
     def __init__(self, config, state: Mapping[str, torch.Tensor], onednn_fp32: bool) -> None:
         super().__init__()
-        self.config, self.int8 = config, False
+        self.config = config
+        self.dtype: torch.dtype | None = None  # fixed by ``pack``: else autocast's, or fp32
         self.embeddings = Embeddings(config, state)
         self.layers = torch.nn.ModuleList(
             FusedLayer(config, _under(state, f"encoder.layer.{i}."), onednn_fp32)
@@ -183,6 +200,13 @@ class FusedBert(torch.nn.Module):
         """The fused twin of a loaded transformers model: the same weights."""
         return cls(model.config, model.state_dict(), onednn_fp32)
 
+    def pack(self, dtype: torch.dtype) -> None:
+        """Run in ``dtype`` from now on, the products over packed weights where they run here
+        (``FusedLayer.pack``): once the encoder chose its dtype."""
+        for layer in self.layers:
+            layer.pack(dtype)
+        self.dtype = dtype
+
     def to_int8(self, calibration: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Run in int8 from now on: each layer's hidden-wide products through oneDNN's int8
         inner product, everything else in bf16 (``dtype int8`` where ``pipeline.int8_linear.
@@ -190,8 +214,7 @@ class FusedBert(torch.nn.Module):
         ``calibration``'s (ids, mask) batches (``int8_linear.calibration_batches``)."""
         for layer in self.layers:
             layer.to_int8()
-            layer.down.to(torch.bfloat16)
-        self.int8 = True
+        self.dtype = torch.bfloat16
         calibrate(self, calibration)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -199,8 +222,8 @@ class FusedBert(torch.nn.Module):
                 output_attentions: bool = False) -> FusedOutput:
         if output_attentions:
             raise ValueError("FusedBert computes no attention weights; use the model's own")
-        if self.int8:
-            dtype = torch.bfloat16
+        if self.dtype is not None:
+            dtype = self.dtype
         elif torch.is_autocast_enabled("cpu"):
             dtype = torch.get_autocast_dtype("cpu")
         else:

@@ -14,6 +14,7 @@ from pipeline import fused_bert
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.fused_bert import FusedBert, attend, fusable
+from pipeline.onednn import PackedLinear, packs
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch has no oneDNN")
@@ -77,6 +78,27 @@ def test_bf16_under_autocast_stays_close_to_the_models_own_bf16() -> None:
     assert got.dtype == torch.float32  # the residual stream stays fp32, as under autocast
     cosine = F.cosine_similarity(real(got, mask), real(want.float(), mask), dim=-1)
     assert float(cosine.min()) > 0.999
+
+
+@pytest.mark.parametrize(("dtype", "onednn_fp32"), [(torch.float32, True),
+                                                   (torch.float32, False),
+                                                   (torch.bfloat16, True)])
+def test_packed_weights_give_the_same_states_bit_for_bit(dtype: torch.dtype,
+                                                         onednn_fp32: bool) -> None:
+    model = tiny(hidden_act="gelu_pytorch_tanh")
+    ids, mask = batch(rows=8, width=40)
+    plain, packed = (FusedBert.from_model(model, onednn_fp32) for _ in range(2))
+    packed.pack(dtype)
+    with torch.inference_mode():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            want = plain(ids, mask, output_hidden_states=True).hidden_states
+        got = packed(ids, mask, output_hidden_states=True).hidden_states  # its own dtype now
+    for ours, theirs in zip(got, want, strict=True):
+        assert torch.equal(ours, theirs)
+    kinds = {type(getattr(layer, name)) for layer in packed.layers
+             for name in ("qkv", "out_proj", "up", "down")}
+    runs_onednn = dtype != torch.float32 or onednn_fp32
+    assert kinds == ({PackedLinear} if runs_onednn and packs(dtype) else {torch.nn.Linear})
 
 
 @pytest.mark.parametrize("width", [5, 19, 70])  # keys appended (MIN_KEYS); fp32/bf16 softmax

@@ -27,6 +27,7 @@ from pipeline.int8_linear import (
     value_range,
 )
 from pipeline.models.hashing import int8_hint
+from pipeline.onednn import PackedLinear
 from pipeline.vectors import row_cosines
 from tests._flowkit import job, run_library, text_for, write_corpus
 from tests._int8 import TEXTS, check_int8_vectors, check_text_alone, embedder
@@ -131,9 +132,10 @@ def test_int8_runs_fused_close_to_fp32_with_its_own_fingerprint(
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # not needed: not imported at all
     fp32, int8 = embedder(tiny_model_dir, "fp32"), embedder(tiny_model_dir, "int8")
     model = int8.encoder.model
-    assert isinstance(model, FusedBert) and model.int8
+    assert isinstance(model, FusedBert) and model.dtype == torch.bfloat16
     assert all(isinstance(layer.qkv, Int8Linear) and isinstance(layer.up, Int8Linear)
-               and layer.down.weight.dtype == torch.bfloat16 for layer in model.layers)
+               and isinstance(layer.down, PackedLinear) and layer.down.dtype == torch.bfloat16
+               for layer in model.layers)
     b = check_int8_vectors(fp32, int8, "-onednn-int8-static")
     np.testing.assert_array_equal(b, int8.encode(TEXTS))  # the same batches: the same vectors
     assert not (cache / "onnx-int8").exists()  # no ONNX export

@@ -21,6 +21,7 @@ from pipeline.hardware import (
     prepare_cpu_kernels,
 )
 from pipeline.models import loader
+from pipeline.onednn import PackedLinear
 from pipeline.precision import MIN_COSINE, DtypeCheck, cached_check, choose_dtype
 
 CPU = torch.device("cpu")
@@ -128,12 +129,15 @@ def test_a_checkpoint_saved_in_fp16_runs_fp32_where_the_run_says_fp32(
 
 @pytest.mark.skipif(not cpu_profile()["bf16_ok"], reason="this CPU cannot run bf16")
 def test_bf16_weights_cast_once_give_autocasts_vectors(tiny_model_dir: Path) -> None:
-    """Linear weights stored in bf16 round exactly as autocast rounds them every forward (in
-    the fused CPU forward where the encoder runs it, else in the model's own)."""
+    """Linear weights stored in bf16 (packed for oneDNN in the fused CPU forward, where the
+    encoder runs it) round exactly as autocast rounds them every forward."""
     encoder = Encoder(EncoderConfig(model=str(tiny_model_dir), device="cpu", dtype="bf16"))
     linears = [m for m in encoder.model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [m for m in encoder.model.modules() if isinstance(m, PackedLinear)]  # fused
     norms = [m for m in encoder.model.modules() if isinstance(m, torch.nn.LayerNorm)]
-    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert linears or packed
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert all(m.dtype == m.bias.dtype == torch.bfloat16 for m in packed)
     assert norms and all(m.weight.dtype == torch.float32 for m in norms)
     ids, mask = encoder.pad(encoder.tokenize(["weights cast once", "a second, longer text " * 4]))
     got = encoder.forward(ids, mask, {encoder.num_layers}, False).layer(-1)
