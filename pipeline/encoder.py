@@ -25,6 +25,7 @@ from pipeline.models.hashing import quantized_hash
 from pipeline.models.head import ModelParts
 from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
 from pipeline.models.similarity import Similarity
+from pipeline.onednn import pack_linears, packs
 from pipeline.precision import CALIBRATION_TEXTS, DtypeCheck, choose_device, choose_dtype
 from pipeline.quantize import INT8, OnnxInt8Model, check_int8, check_onnxruntime
 from pipeline.token_rows import TokenRows, pad_rows
@@ -141,10 +142,8 @@ class Encoder:
         elif self.int8_kernel == "onnxruntime":
             self.model = OnnxInt8Model(self.model, self.model_hash, self.uses_token_types,
                                        self._int8_calibration())
-        elif self.fused:
-            self.model.pack(HALF.get(self.dtype, torch.float32))
-        elif self.dtype in HALF:
-            cast_linear_weights(self.model, HALF[self.dtype])
+        else:
+            self._store_weights()
         self.compiled = cfg.compile
         if self.compiled:
             from pipeline.compiled import compile_model
@@ -216,6 +215,22 @@ class Encoder:
 
             use_onednn_linear(model)
         return model
+
+    def _store_weights(self) -> None:
+        """The Linear weights in the run's dtype, once: packed for oneDNN's product where a
+        CPU forward runs them through it (``pipeline.onednn.packs``; the fused forward's own
+        ``pack``), else cast as autocast would cast them in every forward (the same rounding,
+        so the same vectors); norms and embeddings stay fp32."""
+        dtype = HALF.get(self.dtype, torch.float32)
+        if self.fused:
+            self.model.pack(dtype)
+        elif (self.device.type == "cpu" and not self._handed_on
+              and packs(dtype, self.fp32_kernel == "onednn")):
+            pack_linears(self.model, dtype)
+        elif dtype != torch.float32:
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.to(dtype)
 
     @property
     def _handed_on(self) -> bool:
@@ -446,14 +461,6 @@ def batch_limits(cfg: EncoderConfig, device: torch.device, hidden: int, inner: i
         while budget * inner * ACTIVATION_BYTES[dtype] > CPU_ACTIVATION_BYTES and rows > 1:
             budget, rows = budget // 2, rows // 2
     return cfg.token_budget or budget, cfg.max_batch_rows or rows
-
-
-def cast_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Store the Linear layers' weights in ``dtype`` once, as autocast would cast them in
-    every forward (the same rounding, so the same vectors); norms and embeddings stay fp32."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.to(dtype)
 
 
 def _prompted(texts: list[str], prompt: Prompt | None) -> list[str]:

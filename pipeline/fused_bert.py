@@ -161,7 +161,7 @@ class FusedLayer(torch.nn.Module):
             linear = getattr(self, name)
             if not isinstance(linear, torch.nn.Linear):
                 continue
-            if packs(dtype) and (dtype != torch.float32 or self.onednn_fp32):
+            if packs(dtype, self.onednn_fp32):
                 gelu = self.gelu if name == "up" else None
                 setattr(self, name, PackedLinear(linear, dtype, gelu))
             else:
@@ -241,7 +241,8 @@ class FusedBert(torch.nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
            ) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
-    from ``attention_bias``: [rows, 1, 1, keys] in q's dtype, keys >= tokens, or None) as
+    from ``attention_bias``: [rows, 1, 1, keys] in q's dtype, keys >= tokens (= in fp32), or
+    None) as
     [rows, tokens, heads x head], in blocks of rows whose scores fit ``SCORE_BLOCK_BYTES``.
 
     The scores come out of the product rounded to q's dtype; the softmax then runs where
@@ -255,8 +256,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     long texts 3-5% less time; in bf16 this way is faster (16 ms against 26)."""
     rows, heads, width, dim = q.shape
     if q.dtype == torch.float32:
-        mask = None if bias is None else bias[..., :width]  # SDPA needs no widened rows
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         return context.transpose(1, 2).reshape(rows, width, heads * dim)
     keys = width if bias is None else bias.shape[-1]
     if keys > width:
@@ -281,11 +281,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """[rows, 1, 1, keys], built once a forward: 0 at real tokens, the most negative ``dtype``
     value at padding (not -inf: a row with no real token gets a uniform softmax, as in
-    transformers, not NaNs) and at the masked keys that take rows narrower than ``MIN_KEYS``
-    to that width (torch's softmax over fewer than 16 values per row runs scalar code); None
-    where no key is masked (a batch of texts cut at max_length)."""
+    transformers, not NaNs); None where no key is masked (a batch of texts cut at max_length).
+    For ``attend``'s blocked products (any dtype but fp32) rows narrower than ``MIN_KEYS``
+    get masked keys appended up to that width (torch's softmax over fewer than 16 values per
+    row runs scalar code); fp32 attention (SDPA) takes the mask as it is."""
     rows, width = mask.shape
-    padding = F.pad(mask == 0, (0, max(0, MIN_KEYS - width)), value=True)
+    appended = 0 if dtype == torch.float32 else max(0, MIN_KEYS - width)
+    padding = F.pad(mask == 0, (0, appended), value=True)
     if not padding.any():
         return None
     bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, torch.finfo(dtype).min)

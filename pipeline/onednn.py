@@ -54,21 +54,35 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(dtype),
                                                               None)
-        self.bias, self.dtype = linear.bias.detach().to(dtype), dtype
+        self.bias = None if linear.bias is None else linear.bias.detach().to(dtype)
         self.post_op, self.algorithm = ("gelu", gelu) if gelu else ("none", "")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype, self.in_features, self.out_features = (dtype, linear.in_features,
+                                                           linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias,
                                                   self.post_op, [], self.algorithm)
 
 
-def packs(dtype: torch.dtype) -> bool:
-    """Whether ``PackedLinear`` runs in ``dtype`` here: fp32 wherever oneDNN does, bf16 where
-    torch reorders bf16 weights (a CPU with AVX512 or AVX-NE-CONVERT)."""
+def packs(dtype: torch.dtype, onednn_fp32: bool) -> bool:
+    """Whether a CPU forward in ``dtype`` runs its products as ``PackedLinear`` here: bf16
+    where torch reorders bf16 weights (a CPU with AVX512 or AVX-NE-CONVERT), fp32 where
+    oneDNN's fp32 kernel is the one chosen (``onednn_fp32``; else MKL's, as before)."""
     if dtype == torch.float32:
-        return torch.backends.mkldnn.is_available()
+        return onednn_fp32 and torch.backends.mkldnn.is_available()
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Turn every ``nn.Linear`` of ``model`` into a ``PackedLinear`` in ``dtype``, in place;
+    how many (a model's dtype fixed: run under autocast in it, or in fp32)."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, PackedLinear(child, dtype))
+                count += 1
+    return count
 
 
 def use_onednn_linear(model: torch.nn.Module) -> int:

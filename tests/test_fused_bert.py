@@ -97,8 +97,7 @@ def test_packed_weights_give_the_same_states_bit_for_bit(dtype: torch.dtype,
         assert torch.equal(ours, theirs)
     kinds = {type(getattr(layer, name)) for layer in packed.layers
              for name in ("qkv", "out_proj", "up", "down")}
-    runs_onednn = dtype != torch.float32 or onednn_fp32
-    assert kinds == ({PackedLinear} if runs_onednn and packs(dtype) else {torch.nn.Linear})
+    assert kinds == ({PackedLinear} if packs(dtype, onednn_fp32) else {torch.nn.Linear})
 
 
 @pytest.mark.parametrize("width", [5, 19, 70])  # keys appended (MIN_KEYS); fp32/bf16 softmax
@@ -111,8 +110,7 @@ def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width
     _, mask = batch(rows=7, width=width)
     for case in (mask, torch.ones_like(mask)):
         bias = fused_bert.attention_bias(case, torch.float32)
-        sdpa_mask = None if bias is None else bias[..., :width]
-        want = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=1.0)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         want = want.transpose(1, 2).reshape(7, width, 3 * 16)  # [rows, tokens, heads x head]
         torch.testing.assert_close(attend(q, k, v, bias), want, atol=1e-5, rtol=1e-5)
         bias = fused_bert.attention_bias(case, torch.bfloat16)
@@ -133,8 +131,10 @@ def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None
         assert bias.dtype == dtype and bias.shape == (7, 1, 1, 19)
         assert torch.isfinite(bias).all() and (bias[:, 0, 0][mask == 0] < -1e38).all()
         assert (bias[:, 0, 0][mask == 1] == 0).all()
+    full = torch.ones(3, 5, dtype=torch.long)
     assert fused_bert.attention_bias(torch.ones(3, 17, dtype=torch.long), torch.bfloat16) is None
-    short = fused_bert.attention_bias(torch.ones(3, 5, dtype=torch.long), torch.bfloat16)
+    assert fused_bert.attention_bias(full, torch.float32) is None  # SDPA: nothing to mask
+    short = fused_bert.attention_bias(full, torch.bfloat16)
     assert short.shape == (3, 1, 1, fused_bert.MIN_KEYS)  # keys appended up to MIN_KEYS
     assert (short[..., :5] == 0).all() and (short[..., 5:] < -1e38).all()
 

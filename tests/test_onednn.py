@@ -1,4 +1,5 @@
-"""fp32 Linear layers through oneDNN where the CPU probe measured it faster (pipeline.onednn)."""
+"""Linear layers through oneDNN (pipeline.onednn): fp32 where the CPU probe measured it faster,
+weights packed once where the dtype is fixed."""
 
 from __future__ import annotations
 
@@ -9,11 +10,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+import pipeline.encoder
+import pipeline.onednn
 from pipeline import hardware
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
-from pipeline.onednn import FUSED_MIN_GAIN, MIN_GAIN, OneDnnLinear, use_onednn_linear
+from pipeline.onednn import (
+    FUSED_MIN_GAIN,
+    MIN_GAIN,
+    OneDnnLinear,
+    PackedLinear,
+    pack_linears,
+    packs,
+    use_onednn_linear,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch has no oneDNN")
@@ -59,6 +71,53 @@ def test_a_onednn_linear_is_the_linear_in_fp32_and_exactly_it_otherwise() -> Non
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linears_compute_the_linears_products(dtype: torch.dtype) -> None:
+    if not packs(dtype, onednn_fp32=True):
+        pytest.skip(f"this CPU or torch packs no {dtype} weights for oneDNN")
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 8, bias=False)).to(dtype)
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed, dtype) == 2
+    assert [type(m) for m in packed] == [PackedLinear, torch.nn.GELU, PackedLinear]
+    x = torch.randn(3, 5, 32).to(dtype)
+    with torch.inference_mode():
+        want = [torch.ops.mkldnn._linear_pointwise(x, plain[0].weight, plain[0].bias, "none",
+                                                   [], "")]
+        want.append(torch.ops.mkldnn._linear_pointwise(F.gelu(want[0]), plain[2].weight, None,
+                                                       "none", [], ""))
+        assert torch.equal(packed[0](x), want[0])  # the plain weight's product, bit for bit
+        assert torch.equal(packed(x), want[1])
+        assert packed(torch.randn(0, 32)).shape == (0, 8)  # an empty batch
+        gelu = PackedLinear(plain[0], dtype, gelu="tanh")(x)
+        torch.testing.assert_close(gelu, F.gelu(want[0], approximate="tanh"), atol=1e-2,
+                                   rtol=1e-2)
+
+
+def test_a_model_that_keeps_its_own_forward_is_packed_once_its_dtype_is_fixed(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' forward (here: the attention pooler reads its attention weights) in bf16
+    over packed weights gives what it gave over weights cast to bf16."""
+    def embedder() -> Embedder:
+        cfg = EncoderConfig(model=str(tiny_model_dir), dtype="bf16", device="cpu")
+        return Embedder(cfg, [PoolerSpec(name="attention")])
+
+    packed = embedder()
+    assert not packed.encoder.fused
+    linears = [m for m in packed.encoder.model.modules()
+               if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    kinds = {type(m) for m in linears}
+    assert kinds == ({PackedLinear} if packs(torch.bfloat16, False) else {torch.nn.Linear})
+    monkeypatch.setattr(pipeline.encoder, "packs", lambda dtype, onednn_fp32: False)
+    cast = embedder()
+    assert all(m.weight.dtype == torch.bfloat16 for m in cast.encoder.model.modules()
+               if isinstance(m, torch.nn.Linear))
+    got, want = packed.encode(TEXTS), cast.encode(TEXTS)
+    cosines = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosines.min() > 0.99999  # bit for bit on the CPUs measured; kernels may round apart
+
+
 def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def embedder(onednn_gflops: float, pooler: str = "mean") -> Embedder:
@@ -73,8 +132,8 @@ def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
         its attention weights are pooled)"""
         fused, own = embedder(onednn_gflops), embedder(onednn_gflops, pooler="attention")
         assert fused.encoder.fused and not own.encoder.fused
-        turned = any(isinstance(m, OneDnnLinear) for m in own.encoder.model.modules())
-        assert turned == (own.encoder.fp32_kernel == "onednn")
+        turned = any(isinstance(m, PackedLinear) for m in own.encoder.model.modules())
+        assert turned == (own.encoder.fp32_kernel == "onednn")  # packed once fp32 was chosen
         return fused.encoder.fp32_kernel, own.encoder.fp32_kernel
 
     assert kernels(190.0) == ("default", "default")
