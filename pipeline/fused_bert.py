@@ -19,7 +19,8 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
   there (see ``attend``).
 
 The residual stream, LayerNorms and returned states stay fp32, as under autocast. The weights
-are the model's own ``BertModel`` state dict (only query/key/value are concatenated), read by
+are the model's own ``BertModel`` state dict (only query/key/value are concatenated; packed
+for oneDNN once the encoder fixed the dtype, ``FusedBert.pack``), read by
 ``pipeline.models.loader.read_bert_weights`` straight from ``model.safetensors`` where it can
 (else from the transformers model), so the model hash and the vectors' set are unchanged: fp32
 states match transformers' within float rounding (tested), bf16 ones pass the same cosine >=
@@ -242,8 +243,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
            ) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
     from ``attention_bias``: [rows, 1, 1, keys] in q's dtype, keys >= tokens (= in fp32), or
-    None) as
-    [rows, tokens, heads x head], in blocks of rows whose scores fit ``SCORE_BLOCK_BYTES``.
+    None) as [rows, tokens, heads x head], in blocks of rows whose scores fit
+    ``SCORE_BLOCK_BYTES``.
 
     The scores come out of the product rounded to q's dtype; the softmax then runs where
     torch's CPU kernel is fast for the row's width (it computes in fp32 inside either way):

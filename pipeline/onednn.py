@@ -1,5 +1,5 @@
-"""Linear layers through oneDNN: fp32 where its kernel beats torch's default one, and the
-fused forward's products over weights packed once.
+"""Linear layers through oneDNN: fp32 where its kernel beats torch's default one, and, once a
+CPU run's dtype is fixed, products over weights packed once (``PackedLinear``).
 
 torch's CPU ``F.linear`` in fp32 runs MKL's sgemm. On some CPUs MKL takes a narrower path than
 the hardware has: on a 2-core AMD EPYC (Zen 5, AVX-512) VM, a [4096, 384] x [384, 1536]
