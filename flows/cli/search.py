@@ -11,6 +11,11 @@ from pipeline.config import Device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    for add in (_index_parser, _query_parser, _serve_parser, _eval_parser):
+        add(subparsers)
+
+
+def _index_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("index", help="build or update the FAISS index of sets",
                               description="Build, or catch up incrementally, the index of a "
                               "set (every set when --set is not given).")
@@ -24,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="wait for another writer of OUT to finish (default: fail at once)")
     p.set_defaults(func=run_index)
 
+
+def _query_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("query", help="search a set's index with text")
     p.add_argument("out", metavar="OUT", nargs="?",
                    help="output folder (not needed with --url)")
@@ -39,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _trust_flag(p)
     p.set_defaults(func=run_query)
 
+
+def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="HTTP search API (FastAPI)")
     p.add_argument("out", metavar="OUT")
     p.add_argument("--host", default="127.0.0.1")
@@ -65,6 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _trust_flag(p)
     p.set_defaults(func=run_serve)
 
+
+def _eval_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("eval", help="recall@1, recall@k, MRR@k, nDCG@k per set")
     p.add_argument("out", metavar="OUT")
     p.add_argument("queries", metavar="QUERIES.parquet", help="columns: query, doc_id")
