@@ -4,9 +4,10 @@ Inductor fuses the element-wise work between the matrix products (bias, GELU, re
 autocast's casts) and, with ``freezing``, folds the weights into the graph as constants so a
 CPU runs them through prepacked oneDNN kernels. The price is a compile on the first batch
 (MiniLM on a 2-core AMD EPYC VM: 22-25 s into an empty kernel cache, 7-10 s once its kernels
-are cached on disk under ``EMBEDPIPE_CACHE``) for 1.06-1.22x faster batches there (the most on
-long texts), so it pays on long runs only (~2,500 long texts, 54k-170k summaries): see
-``bench/compiled.py``.
+are cached on disk under ``EMBEDPIPE_CACHE``) for 1.06-1.22x faster batches there against the
+fused forward of the time; since the fused forward packs its weights once, the compiled model
+is no faster than it there (fp32 0.98-1.02x, bf16 0.86-0.90x): it is for models the fused
+forward does not run, and GPUs. See ``bench/compiled.py``.
 Vectors match the eager model's within float rounding (cosine >= 0.99999 in fp32): the same set.
 
 Shapes are dynamic: batches of any rows and tokens run one compiled graph, except a batch of
