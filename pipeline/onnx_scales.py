@@ -113,14 +113,14 @@ def _observed_ranges(model, names: list[str], feeds: Sequence[dict[str, np.ndarr
                                    providers=["CPUExecutionProvider"])
     low, high = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
     for feed in feeds:
-        for name, value in zip(names, session.run(names, declared_feeds(session, feed)),
+        for name, value in zip(names, session.run(names, _declared_feeds(session, feed)),
                                strict=True):
             low[name] = min(low[name], float(value.min()))
             high[name] = max(high[name], float(value.max()))
     return {name: (low[name], high[name]) for name in names}
 
 
-def declared_feeds(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _declared_feeds(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The feeds ``session``'s graph takes: the export drops an input the model ignores (token
     type ids where the tokenizer gives them and the architecture has none)."""
     names = {i.name for i in session.get_inputs()}

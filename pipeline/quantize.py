@@ -41,7 +41,7 @@ import torch
 from pipeline import storage
 from pipeline.config import stable_hash
 from pipeline.errors import ConfigError, ModelError
-from pipeline.onnx_scales import declared_feeds, fix_input_scales
+from pipeline.onnx_scales import fix_input_scales
 from pipeline.settings import cache_root
 
 INT8 = "int8"
@@ -85,7 +85,7 @@ class OnnxInt8Model:
         self._hash = model_hash
         self._inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
         self._calibration = calibration
-        self._sessions: dict[bool, Any] = {}
+        self._sessions: dict[bool, tuple[Any, list[str]]] = {}
         self._lock = threading.Lock()
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -93,25 +93,30 @@ class OnnxInt8Model:
                  output_attentions: bool = False) -> SimpleNamespace:
         if output_attentions:
             raise ConfigError("dtype int8 (ONNX Runtime) gives no attention weights")
-        session = self._session(output_hidden_states)
-        feeds = self._feeds(input_ids, attention_mask, token_type_ids)
-        outputs = session.run(None, declared_feeds(session, feeds))
+        session, names = self._session(output_hidden_states)
+        outputs = session.run(None, self._feeds(names, input_ids, attention_mask, token_type_ids))
         tensors = [torch.from_numpy(o) for o in outputs]
         hidden = tuple(tensors[1:]) if output_hidden_states else None
         return SimpleNamespace(last_hidden_state=tensors[0], hidden_states=hidden)
 
-    def _feeds(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    @staticmethod
+    def _feeds(names: Sequence[str], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                token_type_ids: torch.Tensor | None = None) -> dict[str, np.ndarray]:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        given = {"input_ids": input_ids, "attention_mask": attention_mask,
-                 "token_type_ids": token_type_ids}
-        return {name: given[name].cpu().numpy() for name in self._inputs}
+        """The inputs ``names`` (token type ids all zero where none are given)."""
+        given = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if "token_type_ids" in names:
+            given["token_type_ids"] = (torch.zeros_like(input_ids) if token_type_ids is None
+                                       else token_type_ids)
+        return {name: given[name].cpu().numpy() for name in names}
 
-    def _session(self, hidden: bool) -> Any:
+    def _session(self, hidden: bool) -> tuple[Any, list[str]]:
+        """The session and the inputs its graph declares (the export drops an input the model
+        ignores: token type ids where the tokenizer gives them and the architecture has none),
+        both made once."""
         with self._lock:
             if hidden not in self._sessions:
-                self._sessions[hidden] = _session(self._cached_file(hidden))
+                session = _session(self._cached_file(hidden))
+                self._sessions[hidden] = (session, [i.name for i in session.get_inputs()])
             return self._sessions[hidden]
 
     def _cached_file(self, hidden: bool) -> Path:
@@ -142,7 +147,8 @@ class OnnxInt8Model:
                 warnings.simplefilter("ignore")
                 quantize_dynamic(source, quantized, weight_type=QuantType.QInt8, per_channel=True,
                                  extra_options={"DefaultTensorType": 1})  # onnx FLOAT
-            fix_input_scales(quantized, [self._feeds(ids, mask) for ids, mask in self._calibration],
+            fix_input_scales(quantized, [self._feeds(self._inputs, ids, mask)
+                                         for ids, mask in self._calibration],
                              torch.get_num_threads())
         except (RuntimeError, ValueError, TypeError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
