@@ -104,3 +104,22 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_rejects_nonsense(text):
     with pytest.raises(ConfigError, match="memory budget"):
         parse_bytes(text)
+
+
+def test_planning_imports_without_faiss_and_the_package_names_resolve():
+    """The CLI's ``--kind`` help reads NAMED_KINDS: that import must not load FAISS; the
+    package's lazily loaded names all resolve to their modules' objects."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.index.plan as p; print(','.join(p.NAMED_KINDS)); "
+            "print('faiss' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [",".join(NAMED_KINDS), "False"]
+    import pipeline.index as package
+
+    for name in package.__all__:
+        assert getattr(package, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        package.nope  # noqa: B018

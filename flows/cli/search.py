@@ -8,6 +8,7 @@ import sys
 from typing import get_args
 
 from pipeline.config import Device
+from pipeline.index.plan import NAMED_KINDS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +23,7 @@ def _index_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("out", metavar="OUT")
     p.add_argument("--set", dest="set_name", metavar="NAME")
     p.add_argument("--kind", default="auto",
-                   help="auto|flat|hnsw|ivf|ivfsq|ivfpq or a FAISS factory string")
+                   help="|".join(("auto", *NAMED_KINDS)) + " or a FAISS factory string")
     p.add_argument("--memory-budget", default="4GB", help="e.g. 4GB, 512MB")
     p.add_argument("--rebuild", action="store_true", help="full rebuild instead of catch-up")
     p.add_argument("--lease-wait", type=float, default=0.0, metavar="SECONDS",

@@ -1,14 +1,30 @@
 """FAISS indexes over embedding sets: plan, build, catch up, tune, publish, load.
 
 ``index_set(IndexRequest(...))`` brings ``OUT/index/<set>/`` up to date; ``open_index``
-loads a published index for search.
+loads a published index for search. The names below load their module on first use, so that
+``pipeline.index.plan`` (what the CLI's ``--kind`` help reads) imports without FAISS.
 """
 
-from pipeline.index.build import IndexRequest, IndexResult, index_set
-from pipeline.index.handle import IndexHandle
-from pipeline.index.plan import IndexPlan, parse_bytes, plan_index
-from pipeline.index.store import IndexMeta, index_url, read_meta
-from pipeline.sets import list_sets
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.index.build import IndexRequest, IndexResult, index_set
+    from pipeline.index.handle import IndexHandle
+    from pipeline.index.plan import IndexPlan, parse_bytes, plan_index
+    from pipeline.index.store import IndexMeta, index_url, read_meta
+    from pipeline.sets import list_sets
+
+_HOMES = {
+    "IndexRequest": "pipeline.index.build", "IndexResult": "pipeline.index.build",
+    "index_set": "pipeline.index.build", "IndexHandle": "pipeline.index.handle",
+    "IndexPlan": "pipeline.index.plan", "parse_bytes": "pipeline.index.plan",
+    "plan_index": "pipeline.index.plan", "IndexMeta": "pipeline.index.store",
+    "index_url": "pipeline.index.store", "read_meta": "pipeline.index.store",
+    "list_sets": "pipeline.sets",
+}
 
 __all__ = [
     "IndexHandle", "IndexMeta", "IndexPlan", "IndexRequest", "IndexResult",
@@ -17,9 +33,16 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
 def open_index(out: str, meta: IndexMeta) -> IndexHandle:
     """A published index, loaded (from a local cache for remote OUT) and tuned as recorded."""
     from pipeline.index import store
+    from pipeline.index.handle import IndexHandle
 
     index, idmap = store.load(out, meta)
     return IndexHandle(index, idmap, meta.params)
