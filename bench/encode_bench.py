@@ -29,6 +29,7 @@ machine is shared; the best round is the least disturbed one).
 
     python bench/encode_bench.py                      # ~3-6 min on 2 busy cores
     python bench/encode_bench.py --short 4000 --long 400 --rounds 3 --cli
+    python bench/encode_bench.py --short 0 --long 4000 --rounds 1 --cli   # issue 15's run
 
 Writes ``bench/results/encode-<UTC time>.json`` (git-ignored) and prints a table.
 """
@@ -270,10 +271,11 @@ def bench(args: argparse.Namespace) -> dict:
     unfused = unfused_embedder(info.dtype) if args.unfused else None
     report["matmul_peak_gflops"] = peak
     # warm both
-    on_torch_thread(st.encode, texts["short"][:64])
-    embedder.encode(texts["short"][:64])
+    warmup = (texts["short"] + texts["long"])[:64]
+    on_torch_thread(st.encode, warmup)
+    embedder.encode(warmup)
     report["sets"] = {}
-    for name, sample in texts.items():
+    for name, sample in ((name, sample) for name, sample in texts.items() if sample):
         lengths = real_lengths(embedder, sample)
         flops = encoder_flops(lengths, config)
         specials = len(embedder.encoder.prefix) + len(embedder.encoder.suffix)

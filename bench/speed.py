@@ -10,6 +10,9 @@ and the ratios between them hold even where the machine is shared and noisy. For
   to do; the "after" tree also once with its local Prefect server already running;
 * tiny encoder (2 layers, 32 wide): wall seconds, docs/s end to end and peak RSS (the
   child's ``ru_maxrss``) at each row count, and the 200k/20k peak ratio (flat memory);
+* ``--long N ...``: the same for the default model (packaged MiniLM) over long texts (PyPI
+  summaries joined to 1,200-3,000 characters, ~250 tokens after truncation): the memory of
+  a real encoder's forward passes over many batch shapes;
 * the fp32 matmul GFLOP/s of this machine, measured in the same run, and the CPU flags.
 
 Prints one JSON object per measurement and a summary table. Never a timed test: a script.
@@ -18,6 +21,7 @@ Prints one JSON object per measurement and a summary table. Never a timed test: 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -78,6 +82,29 @@ open(sys.argv[1], "w").write(json.dumps(report))
 """
 
 
+def long_corpus(folder: Path, rows: int, seed: int = 0) -> Path:
+    """``rows`` texts of 1,200-3,000 characters, each consecutive PyPI summaries joined (from
+    the first again once all are used; MiniLM truncates them at 256 tokens)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = folder / f"long_{rows}.parquet"
+    if path.exists():
+        return path
+    summaries = itertools.cycle(pq.read_table(DATA, columns=["text"]).column("text").to_pylist())
+    targets = np.random.default_rng(seed).integers(1_200, 3_001, rows)
+    texts = []
+    for target in targets:
+        parts, size = [], 0
+        while size < target:
+            parts.append(next(summaries))
+            size += len(parts[-1]) + 1
+        texts.append(" ".join(parts))
+    pq.write_table(pa.table({"id": np.arange(rows), "text": texts}), path)
+    return path
+
+
 def measured_run(cmd: list[str], cwd: Path, env: dict | None = None
                  ) -> tuple[int, float, float, str, str]:
     """Run ``cmd``: (exit code, wall seconds, its peak RSS in MiB, stdout, stderr). Nothing
@@ -96,10 +123,11 @@ def measured_run(cmd: list[str], cwd: Path, env: dict | None = None
     return measured["exit"], measured["seconds"], measured["peak_rss_kib"] / 1024, out, err
 
 
-def embed(tree: Path, corpus_path: Path, out: Path, model: Path, env: dict) -> dict:
-    """One CLI run: wall seconds, docs/s, peak RSS of the CLI process, its summary."""
+def embed(tree: Path, corpus_path: Path, out: Path, model: Path | None, env: dict) -> dict:
+    """One CLI run (``model`` None: the default model): wall seconds, docs/s, peak RSS of the
+    CLI process, its summary."""
     cmd = [sys.executable, "-m", "flows.cli", "embed", str(corpus_path), str(out),
-           "--model", str(model)]
+           *(["--model", str(model)] if model else [])]
     code, wall, rss, line, err = measured_run(cmd, tree, env | {"PYTHONPATH": str(tree)})
     line, err = line.strip(), err.strip()
     rows = int(line.split()[1].replace(",", "")) if line.startswith("embedded") else 0
@@ -114,7 +142,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="code tree to compare to")
     parser.add_argument("--after", type=Path, default=Path("."), help="code tree measured")
-    parser.add_argument("--rows", type=int, nargs="+", default=[20_000, 200_000])
+    parser.add_argument("--rows", type=int, nargs="*", default=[20_000, 200_000])
+    parser.add_argument("--long", type=int, nargs="*", default=[],
+                        help="also MiniLM over this many long texts (e.g. 1000 8000)")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder")
     parser.add_argument("--no-startup", action="store_true", help="skip the start-up runs")
     args = parser.parse_args()
@@ -150,25 +180,28 @@ def main() -> int:
             runs["server_reused"] = embed(tree, small, out, model, env)
         report[f"startup_{label}"] = runs
         print(json.dumps({f"startup_{label}": runs}), flush=True)
-    for rows in args.rows:
-        path = corpus(work, rows)
+    runs = [("tiny", rows, corpus(work, rows), model) for rows in args.rows]
+    runs += [("long", rows, long_corpus(work, rows), None) for rows in args.long]
+    for kind, rows, path, run_model in runs:
         for label, tree in trees.items():
-            out = work / f"out-{label}-{rows}"
+            out = work / f"out-{label}-{kind}-{rows}"
             shutil.rmtree(out, ignore_errors=True)
-            result = embed(tree, path, out, model, envs[label])
+            result = embed(tree, path, out, run_model, envs[label])
             shutil.rmtree(out, ignore_errors=True)
-            report[f"tiny_{label}_{rows}"] = result
-            print(json.dumps({f"tiny_{label}_{rows}": result}), flush=True)
+            report[f"{kind}_{label}_{rows}"] = result
+            print(json.dumps({f"{kind}_{label}_{rows}": result}), flush=True)
     from flows.runtime import stop_local_server
 
     for label in trees:  # the local Prefect APIs the runs started
         stop_local_server(work / f"cache-{label}")
-    print(summary(report, trees, args.rows, flags, not args.no_startup))
+    print(summary(report, trees, {"tiny": args.rows, "long": args.long}, flags,
+                  not args.no_startup))
     (work / "speed.json").write_text(json.dumps(report, indent=1))
     return 0
 
 
-def summary(report: dict, trees: dict, rows: list[int], flags: str, startup: bool) -> str:
+def summary(report: dict, trees: dict, rows: dict[str, list[int]], flags: str, startup: bool
+            ) -> str:
     lines = [f"CPU flags: {flags}; fp32 matmul {report['fp32_matmul_gflops']} GFLOP/s; "
              f"load average at start {report['load_avg'][0]:.1f} on {report['cores']} cores"]
     for label in trees if startup else []:
@@ -177,17 +210,19 @@ def summary(report: dict, trees: dict, rows: list[int], flags: str, startup: boo
                      f"{s['nothing_to_do']['wall_s']}s"
                      + (f", server reused {s['server_reused']['wall_s']}s" if "server_reused" in s
                         else ""))
-    for n in rows:
-        b, a = report[f"tiny_before_{n}"], report[f"tiny_after_{n}"]
-        ratio = a["docs_per_s"] / b["docs_per_s"] if b["docs_per_s"] else float("nan")
-        lines.append(f"tiny {n:>7} rows: before {b['docs_per_s']} docs/s {b['peak_rss_mb']} MB; "
-                     f"after {a['docs_per_s']} docs/s {a['peak_rss_mb']} MB; speed x{ratio:.2f}")
-    if len(rows) >= 2:
-        lo, hi = min(rows), max(rows)
-        for label in trees:
-            r = report[f"tiny_{label}_{hi}"]["peak_rss_mb"] / report[f"tiny_{label}_{lo}"][
-                "peak_rss_mb"]
-            lines.append(f"{label:6} peak RSS {hi}/{lo} rows: x{r:.2f}")
+    for kind, counts in rows.items():
+        for n in counts:
+            b, a = report[f"{kind}_before_{n}"], report[f"{kind}_after_{n}"]
+            ratio = a["docs_per_s"] / b["docs_per_s"] if b["docs_per_s"] else float("nan")
+            lines.append(f"{kind} {n:>7} rows: before {b['docs_per_s']} docs/s "
+                         f"{b['peak_rss_mb']} MB; after {a['docs_per_s']} docs/s "
+                         f"{a['peak_rss_mb']} MB; speed x{ratio:.2f}")
+        if len(counts) >= 2:
+            lo, hi = min(counts), max(counts)
+            for label in trees:
+                r = (report[f"{kind}_{label}_{hi}"]["peak_rss_mb"]
+                     / report[f"{kind}_{label}_{lo}"]["peak_rss_mb"])
+                lines.append(f"{label:6} {kind} peak RSS {hi}/{lo} rows: x{r:.2f}")
     return "\n".join(lines)
 
 
