@@ -28,7 +28,6 @@ from pipeline.config import EncoderConfig, PoolerSpec, WindowAgg, stable_hash
 from pipeline.data import EmbeddingBatch, TextBatch
 from pipeline.encoder import Encoder, EncoderInfo, Prompt
 from pipeline.errors import ConfigError
-from pipeline.heap import HeapWatch
 from pipeline.poolers import Pooler, build_pooler
 from pipeline.stages import prefetch
 from pipeline.token_rows import TokenRows
@@ -68,8 +67,6 @@ class Embedder:
                       for name, spec in self.specs.items()}
         self.layers = {i for p in self.poolers.values() for i in p.layers}
         self.attention = any(p.needs_attention for p in self.poolers.values())
-        # a CPU's forward passes: the heap trimmed as fragments pile up (pipeline.heap)
-        self._heap = HeapWatch() if self.encoder.device.type == "cpu" else None
         if encoder.window:
             self._check_window(encoder.window.size, encoder.window.stride)
 
@@ -196,24 +193,11 @@ class Embedder:
             states = self.encoder.forward(ids, mask, self.layers, self.attention,
                                           tokens.prompt_length)
             pooled.append((idx, {n: p(states).float() for n, p in self.poolers.items()}))
-            if self._heap is not None:
-                del states
-                self._copy_out(pooled, out)
-                self._heap.after_batch()
-        self._copy_out(pooled, out)
-        return out
-
-    @staticmethod
-    def _copy_out(pooled: list[tuple[np.ndarray, dict[str, torch.Tensor]]],
-                  out: dict[str, np.ndarray]) -> None:
-        """Move ``pooled``'s vectors into ``out`` (emptying it). A GPU's are copied back
-        only after its last batch, so it never waits for the host between batches; a CPU's
-        after each batch (with ``HeapWatch``): small tensors kept alive among the forward's
-        freed ones fragment glibc's heap (see ``pipeline.heap``)."""
+        # copied back only now, so a GPU never waits for the host between batches
         for idx, vectors in pooled:
             for name, vector in vectors.items():
                 out[name][idx] = vector.cpu().numpy()
-        pooled.clear()
+        return out
 
     def _finish(self, name: str, raw: np.ndarray, pieces: Pieces, rows: int) -> np.ndarray:
         spec = self.specs[name]
