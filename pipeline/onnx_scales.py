@@ -112,16 +112,17 @@ def _observed_ranges(model, names: list[str], feeds: Sequence[dict[str, np.ndarr
     session = ort.InferenceSession(probe.SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     low, high = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+    inputs = declared_inputs(session)
     for feed in feeds:
-        for name, value in zip(names, session.run(names, _declared_feeds(session, feed)),
+        for name, value in zip(names, session.run(names, {i: feed[i] for i in inputs}),
                                strict=True):
             low[name] = min(low[name], float(value.min()))
             high[name] = max(high[name], float(value.max()))
     return {name: (low[name], high[name]) for name in names}
 
 
-def _declared_feeds(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The feeds ``session``'s graph takes: the export drops an input the model ignores (token
-    type ids where the tokenizer gives them and the architecture has none)."""
-    names = {i.name for i in session.get_inputs()}
-    return {name: value for name, value in feeds.items() if name in names}
+def declared_inputs(session) -> list[str]:
+    """The inputs an ONNX Runtime ``session``'s graph takes: the export drops an input the
+    model ignores (token type ids where the tokenizer gives them and the architecture has
+    none)."""
+    return [i.name for i in session.get_inputs()]

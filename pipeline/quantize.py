@@ -41,7 +41,7 @@ import torch
 from pipeline import storage
 from pipeline.config import stable_hash
 from pipeline.errors import ConfigError, ModelError
-from pipeline.onnx_scales import fix_input_scales
+from pipeline.onnx_scales import declared_inputs, fix_input_scales
 from pipeline.settings import cache_root
 
 INT8 = "int8"
@@ -110,13 +110,11 @@ class OnnxInt8Model:
         return {name: given[name].cpu().numpy() for name in names}
 
     def _session(self, hidden: bool) -> tuple[Any, list[str]]:
-        """The session and the inputs its graph declares (the export drops an input the model
-        ignores: token type ids where the tokenizer gives them and the architecture has none),
-        both made once."""
+        """The session and the inputs its graph declares (``declared_inputs``), made once."""
         with self._lock:
             if hidden not in self._sessions:
                 session = _session(self._cached_file(hidden))
-                self._sessions[hidden] = (session, [i.name for i in session.get_inputs()])
+                self._sessions[hidden] = (session, declared_inputs(session))
             return self._sessions[hidden]
 
     def _cached_file(self, hidden: bool) -> Path:

@@ -11,13 +11,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.index.build import IndexRequest, IndexResult, index_set
     from pipeline.index.handle import IndexHandle
-    from pipeline.index.plan import IndexPlan, parse_bytes, plan_index
-    from pipeline.index.store import IndexMeta, index_url, read_meta
-    from pipeline.sets import list_sets
+    from pipeline.index.store import IndexMeta
 
-_HOMES = {
+_HOMES = {  # each name this package exports: the module it lives in
     "IndexRequest": "pipeline.index.build", "IndexResult": "pipeline.index.build",
     "index_set": "pipeline.index.build", "IndexHandle": "pipeline.index.handle",
     "IndexPlan": "pipeline.index.plan", "parse_bytes": "pipeline.index.plan",
@@ -26,11 +23,7 @@ _HOMES = {
     "list_sets": "pipeline.sets",
 }
 
-__all__ = [
-    "IndexHandle", "IndexMeta", "IndexPlan", "IndexRequest", "IndexResult",
-    "index_set", "index_url", "list_sets", "open_index", "parse_bytes", "plan_index",
-    "read_meta",
-]
+__all__ = [*_HOMES, "open_index"]
 
 
 def __getattr__(name: str) -> Any:
