@@ -13,11 +13,14 @@ ephemeral one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ from _flowkit import job, run_library, text_for, write_corpus
 from _prefect_stack import PREFECT, free_port, prefect_env, process, wait_healthy
 
 from pipeline import storage
+from pipeline.errors import StorageError
 from pipeline.sets import SetFolder, scan_set
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -85,6 +89,18 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, stdout, stderr
 
 
+def held_by(out: str, procs) -> int:
+    """The pid in OUT's lease once one of ``procs`` has taken it (polled every 10 ms)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        with contextlib.suppress(StorageError, ValueError):  # not there yet, or half written
+            return json.loads(storage.read_bytes(storage.join(out, "_LEASE.json")))["pid"]
+        dead = [p.returncode for p in procs if p.poll() is not None]
+        assert not dead, f"an embed exited ({dead}) before either held {out}"
+        time.sleep(0.01)
+    raise AssertionError(f"no embed took {out} within 300 s")
+
+
 def same_as_clean(out: str, clean: dict) -> None:
     got = rows_of(out)
     assert sorted(got) == list(range(ROWS))  # every row, exactly once
@@ -107,16 +123,25 @@ def out(request, tmp_path) -> str:
 def test_two_embeds_started_together_one_wins_the_other_names_it(out, corpus, cli_env,
                                                                   tiny_model_dir, tmp_path):
     path, clean = corpus
-    # the winner's first two shard reads fail and are retried a second later each: it holds
-    # OUT 2 s longer than its run needs, whatever start-up the two processes race through
-    held = cli_env | {"EMBEDPIPE_FAILPOINT": f"read_shard:0:2:{tmp_path / 'fp'}"}
+    # whichever takes OUT is paused (SIGSTOP) as soon as its lease is seen, until the other has
+    # exited: the loser meets a live holder however slowly its start-up runs. The holder's first
+    # two shard reads fail and are retried a second later each, so it is still running when
+    # paused; its long TTL keeps its lease live while paused.
+    held = cli_env | {"EMBEDPIPE_FAILPOINT": f"read_shard:0:2:{tmp_path / 'fp'}",
+                      "EMBEDPIPE_LEASE_TTL": "600"}
     procs = {n: embed(path, out, tiny_model_dir, held, "--rows-per-shard", str(n))
              for n in (20, 30)}
-    done = {n: finish(p) for n, p in procs.items()}
-    codes = sorted(code for code, _, _ in done.values())
-    assert codes == [0, 1], {n: d[2][-3000:] for n, d in done.items()}
-    winner = next(n for n, d in done.items() if d[0] == 0)
-    loser = next(n for n in done if n != winner)
+    holder = held_by(out, procs.values())
+    winner = next(n for n, p in procs.items() if p.pid == holder)
+    loser = next(n for n in procs if n != winner)
+    os.kill(procs[winner].pid, signal.SIGSTOP)
+    try:
+        done = {loser: finish(procs[loser])}
+    finally:
+        os.kill(procs[winner].pid, signal.SIGCONT)
+    done[winner] = finish(procs[winner])
+    assert done[winner][0] == 0, done[winner][2][-3000:]
+    assert done[loser][0] == 1, done[loser][2][-3000:]
     errors = [line for line in done[loser][2].splitlines() if "error:" in line]
     assert len(errors) == 1, done[loser][2][-3000:]
     line = errors[0]
