@@ -97,9 +97,15 @@ class Encoder:
         self.folder = self.files.folder
         self.files_hash = self.files.model_hash()  # walks and stats the model's files: once
         self.device = choose_device(cfg.device)
+        self._load(need_attention)
+        self._read_tokenizer()
+        self._settle_precision()
+
+    def _load(self, need_attention: bool) -> None:
+        """The model's config, tokenizer, kernels, transformer (on the device) and head."""
         try:
             config, self.tokenizer = recorded.load(self.files, self.files_hash,
-                                                   cfg.trust_remote_code)
+                                                   self.cfg.trust_remote_code)
             self.int8_kernel = self._int8_kernel(config)
             self.fused = self._fuses(config, need_attention)
             self.fp32_kernel = self._fp32_kernel()
@@ -119,6 +125,9 @@ class Encoder:
                                 self.files.sentence_transformers)
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.hidden_size = int(self.model.config.hidden_size)
+
+    def _read_tokenizer(self) -> None:
+        """Lengths, special tokens, the id tokenizer (and its worker pool) and the prompts."""
         self.max_length = self._max_length(loader.max_length)
         self.prefix, self.suffix = list(self.tokenizer.prefix), list(self.tokenizer.suffix)
         self.pad_id = self.tokenizer.pad_token_id or 0
@@ -127,8 +136,13 @@ class Encoder:
         self._pool = None
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
         prompts = self.files.prompts
-        self.document_prompt = self._prompt(prompts.document(cfg.prompt_name))
-        self.query_prompt = self._prompt(prompts.query(cfg.query_prompt_name))
+        self.document_prompt = self._prompt(prompts.document(self.cfg.prompt_name))
+        self.query_prompt = self._prompt(prompts.query(self.cfg.query_prompt_name))
+
+    def _settle_precision(self) -> None:
+        """The dtype (``auto`` measured on the eager model), batch limits, the model hash, then
+        the weights in that dtype (int8, packed or cast) and, if asked, the compiled model."""
+        cfg = self.cfg
         self.dtype, self.compiled = "fp32", False  # the dtype check runs the eager model
         runner = "fused" if self.fused else self.model.config._attn_implementation
         model_key = f"{self.files_hash}-{runner}-{self.fp32_kernel}"
