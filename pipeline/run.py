@@ -239,47 +239,52 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float,
     job = plan.job
     total = ShardStats.total(r.stats for r in results)
     planned = {s.id for s in plan.shards}
-    final_gen, rows, skipped, deleted_counts = {}, 0, {}, []
+    metas, deleted = {}, []
     for spec in job.poolers:
-        name, g = spec.name, plan.generation[spec.name]
-        folder = SetFolder(job.out, name)
-        markers = folder.read_markers()
-        _retire(folder, markers, planned, g)
-        live = [m for sid, m in markers.items() if sid in planned]
-        parts = [part_name(m.shard) for m in live if m.generation == g and m.rows]
-        removed = folder.removed_ids(g)
-        deleted = _left_the_set(folder, removed, [m.shard for m in live])
-        deleted_counts.append(len(deleted))
-        changed = bool(parts or removed)
-        rows = sum(m.rows for m in live)
-        skipped = _add_counts([m.skipped for m in live])
-        meta = folder.meta().model_copy(
-            update={
-                "shards_done": len(live),
-                "rows_written": rows,
-                "rows_skipped": skipped,
-                "generation": g if changed else g - 1,
-            }
-        )
-        if changed:
-            folder.write_changes(g, parts, deleted)
-        folder.write_meta(meta)
-        folder.clear_removed(g)
-        final_gen[name] = meta.generation
+        metas[spec.name], gone = _finalize_set(SetFolder(job.out, spec.name), planned,
+                                               plan.generation[spec.name])
+        deleted.append(gone)
+    last = metas[job.poolers[-1].name] if metas else None  # every set holds the same rows
     return RunSummary(
         sets=[p.name for p in job.poolers],
         shards=len(plan.shards),
         shards_run=len(results),
-        rows=rows,
+        rows=last.rows_written if last else 0,
         embedded=total.embedded,
         reused=total.reused,
-        removed=max(deleted_counts, default=0),
-        skipped=skipped,
-        generation=final_gen,
+        removed=max(deleted, default=0),
+        skipped=last.rows_skipped if last else {},
+        generation={name: meta.generation for name, meta in metas.items()},
         seconds=seconds,
         setup_seconds=setup_seconds,
         stats=total,
     )
+
+
+def _finalize_set(folder: SetFolder, planned: set[str], g: int) -> tuple[SetMeta, int]:
+    """One set at a run's end: retire its unplanned shards, write its changes file (when
+    generation ``g`` changed it) and ``_SET.json``; returns the new metadata and how many ids
+    left the set."""
+    markers = folder.read_markers()
+    _retire(folder, markers, planned, g)
+    live = [m for sid, m in markers.items() if sid in planned]
+    parts = [part_name(m.shard) for m in live if m.generation == g and m.rows]
+    removed = folder.removed_ids(g)
+    deleted = _left_the_set(folder, removed, [m.shard for m in live])
+    changed = bool(parts or removed)
+    meta = folder.meta().model_copy(
+        update={
+            "shards_done": len(live),
+            "rows_written": sum(m.rows for m in live),
+            "rows_skipped": _add_counts([m.skipped for m in live]),
+            "generation": g if changed else g - 1,
+        }
+    )
+    if changed:
+        folder.write_changes(g, parts, deleted)
+    folder.write_meta(meta)
+    folder.clear_removed(g)
+    return meta, len(deleted)
 
 
 def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None:
