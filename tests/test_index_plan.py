@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,9 +112,6 @@ def test_parse_bytes_rejects_nonsense(text):
 def test_planning_imports_without_faiss_and_the_package_names_resolve():
     """The CLI's ``--kind`` help reads NAMED_KINDS: that import must not load FAISS; the
     package's lazily loaded names all resolve to their modules' objects."""
-    import subprocess
-    import sys
-
     code = ("import sys, pipeline.index.plan as p; print(','.join(p.NAMED_KINDS)); "
             "print('faiss' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -29,7 +29,8 @@ __all__ = [*_HOMES, "open_index"]
 def __getattr__(name: str) -> Any:
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+    value = globals()[name] = getattr(importlib.import_module(_HOMES[name]), name)
+    return value  # kept here: the next lookup finds it without this hook
 
 
 def open_index(out: str, meta: IndexMeta) -> IndexHandle:
