@@ -326,8 +326,8 @@ def _id_type(request: ShardRequest) -> pa.DataType:
     return arrow_id_type(request.id_type)
 
 
-def _read_slices(request, model: _Model, previous, stats: ShardStats, quarantine
-                 ) -> Iterator[_Slice]:
+def _read_slices(request: ShardRequest, model: _Model, previous: dict[str, _Previous],
+                 stats: ShardStats, quarantine: list[pa.Table]) -> Iterator[_Slice]:
     """Stage 1 (runs ahead in a thread): read, validate, look up, dedupe and tokenize."""
     job, shard = request.job, request.shard
     chunks = read_shard(
@@ -381,7 +381,8 @@ def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _
 # ---- set IO: writing -----------------------------------------------------------------------
 
 
-def _write_set(request, work, ids, hashes, matrix, skipped) -> tuple[bool, int]:
+def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.ndarray,
+               matrix: np.ndarray | None, skipped: dict[str, int]) -> tuple[bool, int]:
     """Removals, part, hashes, then marker; only the marker if the rows are unchanged.
 
     Returns (part written, rows removed from this shard).
