@@ -63,7 +63,7 @@ from bench.speed import cpu_flags, measured_run  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder, get_embedder  # noqa: E402
-from pipeline.stats import STAGES  # noqa: E402
+from pipeline.stats import READER_STAGES, STAGES  # noqa: E402
 from pipeline.torch_thread import on_torch_thread  # noqa: E402
 from pipeline.vectors import row_cosines  # noqa: E402
 
@@ -221,16 +221,17 @@ def run_cold(texts: list[str], workdir: Path, tag: str) -> tuple[float, float, d
 def cli_stages(summary: dict, wall: float, flops: float, peak: float) -> dict:
     """Where the cold command's wall time went, each part's share of it: start-up and exit
     (interpreter, imports, Prefect's flow run; the wall less what the run timed itself), the
-    run's setup (checks, planning, model load), each shard stage's busy seconds (they can
-    overlap) and the shards' wall less those; and the encoder's share of the peak while it
-    ran inside the command."""
-    busy = summary["stats"]["seconds"]
+    run's setup (checks, planning, model load), each shard stage's busy seconds and the
+    shards' wall less the encoding thread's stages (read and tokenize run in the reader
+    thread beside the encoder, so they are not part of the wall's sum); and the encoder's
+    share of the peak while it ran inside the command."""
+    busy = {stage: summary["stats"]["seconds"].get(stage, 0.0) for stage in STAGES}
+    beside = {f"{stage} (beside the encoder)": busy.pop(stage) for stage in READER_STAGES}
     parts = {"start-up and exit": wall - summary["setup_seconds"] - summary["seconds"],
-             "setup": summary["setup_seconds"],
-             **{stage: busy.get(stage, 0.0) for stage in STAGES},
+             "setup": summary["setup_seconds"], **beside, **busy,
              "shards, other": summary["seconds"] - sum(busy.values())}
     return {"seconds": parts, "share": {k: v / wall for k, v in parts.items()},
-            "encode_of_peak": flops / busy["encode"] / 1e9 / peak if busy.get("encode") else None}
+            "encode_of_peak": flops / busy["encode"] / 1e9 / peak if busy["encode"] else None}
 
 
 def bench(args: argparse.Namespace) -> dict:

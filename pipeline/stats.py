@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from pydantic import BaseModel
 
 STAGES = ("read", "tokenize", "encode", "write")  # a shard's stages, in order
+READER_STAGES = ("read", "tokenize")  # run ahead in the shard's reader thread, beside encode
 
 
 class ShardStats(BaseModel):
