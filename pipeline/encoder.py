@@ -164,7 +164,7 @@ class Encoder:
 
             self.model = compile_model(self.model)
 
-    def _int8_kernel(self, config) -> str | None:
+    def _int8_kernel(self, config: recorded.ModelConfig) -> str | None:
         """Where ``dtype int8`` runs (None for any other dtype): the job's ``int8_kernel``, or
         for ``auto`` ``onednn`` where the fused forward runs this model and oneDNN's int8
         product and bf16 run natively here (see ``pipeline.int8_linear``), else
@@ -187,7 +187,7 @@ class Encoder:
         check_onnxruntime()
         return "onnxruntime"
 
-    def _fuses(self, config, need_attention: bool) -> bool:
+    def _fuses(self, config: recorded.ModelConfig, need_attention: bool) -> bool:
         """Whether ``FusedBert`` runs the model: it computes what the model does (a CPU, a
         BERT-family model), no attention weights are wanted and the model is not handed on."""
         from pipeline.fused_bert import fusable
@@ -207,7 +207,7 @@ class Encoder:
             return "default"
         return "onednn"
 
-    def _load_model(self, config, need_attention: bool) -> torch.nn.Module:
+    def _load_model(self, config: recorded.ModelConfig, need_attention: bool) -> torch.nn.Module:
         """A ``FusedBert`` where it runs the model (``_fuses``), its weights read without
         transformers' model classes where the files allow; else transformers' model, its fp32
         Linear layers through oneDNN where that kernel won."""

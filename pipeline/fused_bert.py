@@ -37,12 +37,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pipeline.int8_linear import Int8Linear, calibrate
 from pipeline.onednn import PackedLinear, packs
+
+if TYPE_CHECKING:
+    from pipeline.models.recorded import ModelConfig
 
 FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's algorithm
@@ -54,7 +58,7 @@ BF16_SOFTMAX_KEYS = 64  # narrower bf16 rows take their softmax in fp32
 EMBEDDINGS = ("word_embeddings", "position_embeddings", "token_type_embeddings")
 
 
-def fusable(config, device: torch.device) -> bool:
+def fusable(config: ModelConfig, device: torch.device) -> bool:
     """Whether ``FusedBert`` computes what the model of ``config`` computes, on ``device``
     (not for a model whose config names its own modeling code: that code decides)."""
     remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
@@ -65,7 +69,7 @@ def fusable(config, device: torch.device) -> bool:
             and not getattr(config, "add_cross_attention", False))
 
 
-def weight_shapes(config) -> dict[str, tuple[int, ...]]:
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The state-dict names ``FusedBert`` reads (a ``BertModel``'s, no prefix) and shapes."""
     hidden, inner = int(config.hidden_size), int(config.intermediate_size)
     shapes = {
@@ -99,7 +103,7 @@ class Embeddings(torch.nn.Module):
     RoBERTa numbers positions from ``pad_token_id + 1`` over real tokens (padding keeps
     ``pad_token_id``), as transformers' ``create_position_ids_from_input_ids`` does."""
 
-    def __init__(self, config, state: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
         super().__init__()
         for name in EMBEDDINGS:
             weight = state[f"embeddings.{name}.weight"]
@@ -124,7 +128,8 @@ class Embeddings(torch.nn.Module):
 class FusedLayer(torch.nn.Module):
     """One transformer layer: fused projections, blocked attention, post-LayerNorm residuals."""
 
-    def __init__(self, config, state: Mapping[str, torch.Tensor], onednn_fp32: bool) -> None:
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
+                 onednn_fp32: bool) -> None:
         super().__init__()
         heads, eps = int(config.num_attention_heads), config.layer_norm_eps
         scale = (int(config.hidden_size) // heads) ** -0.5
@@ -187,7 +192,8 @@ class FusedBert(torch.nn.Module):
     state dict (no prefix); called like the transformers model (``input_ids``,
     ``attention_mask``, ``token_type_ids``, ``output_hidden_states``)."""
 
-    def __init__(self, config, state: Mapping[str, torch.Tensor], onednn_fp32: bool) -> None:
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
+                 onednn_fp32: bool) -> None:
         super().__init__()
         self.config = config
         self.dtype: torch.dtype | None = None  # fixed by ``pack``: else autocast's, or fp32

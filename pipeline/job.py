@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -33,6 +33,9 @@ from pipeline.sets import SetFolder, ShardMarker, quarantine_url
 from pipeline.shards import Shard
 from pipeline.stages import prefetch
 from pipeline.stats import ShardStats
+
+if TYPE_CHECKING:
+    from pipeline.embedder import Embedder
 
 
 class SetWork(BaseModel):
@@ -307,7 +310,7 @@ class _Model:
         return SLICE_ROWS if embedder is None else embedder.slice_rows
 
 
-def _check_fingerprints(embedder, sets: list[SetWork]) -> None:
+def _check_fingerprints(embedder: Embedder, sets: list[SetWork]) -> None:
     """This worker's model makes the vectors each set was claimed for (a long-lived worker
     whose model files changed under it would otherwise write another model's vectors)."""
     for work in sets:

@@ -14,7 +14,7 @@ covers both attempts. A run that changes nothing leaves the generation as it was
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -26,6 +26,9 @@ from pipeline.job import SetWork, ShardRequest, ShardResult
 from pipeline.sets import SetFolder, SetMeta, ShardMarker, part_name
 from pipeline.shards import Shard, plan_shards
 from pipeline.stats import ShardStats
+
+if TYPE_CHECKING:
+    from pipeline.embedder import Embedder
 
 
 class RunPlan(BaseModel):
@@ -104,7 +107,7 @@ def job_keys(job: EmbedJob) -> dict[str, str]:
     }
 
 
-def set_meta(embedder, job: EmbedJob, name: str, id_type: str, key: str | None = None
+def set_meta(embedder: Embedder, job: EmbedJob, name: str, id_type: str, key: str | None = None
              ) -> SetMeta:
     """The metadata a set made by this job and embedder must carry."""
     spec = embedder.specs[name]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.errors import ModelError
 from pipeline.models.dense import load_dense, read_dense_config
@@ -22,6 +23,11 @@ from pipeline.models.prompts import Prompts, read_prompts
 from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
 from pipeline.models.similarity import Similarity, read_similarity
 from pipeline.models.transformer import TransformerConfig, read_transformer_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.models.recorded import ModelConfig
 
 PLAIN_MAX_LENGTH = 512  # a plain HF folder: at most this many tokens unless told otherwise
 
@@ -83,7 +89,7 @@ def refuse_remote_code(files: ModelFiles, trust_remote_code: bool) -> None:
             )
 
 
-def load_tokenizer(files: ModelFiles, trust_remote_code: bool):
+def load_tokenizer(files: ModelFiles, trust_remote_code: bool) -> PreTrainedTokenizerFast:
     """The fast tokenizer with the Transformer's tokenizer arguments and lower-casing."""
     _quiet_transformers()
     from transformers import AutoTokenizer
@@ -102,7 +108,7 @@ def load_tokenizer(files: ModelFiles, trust_remote_code: bool):
     return tokenizer
 
 
-def _lower_case(tokenizer) -> None:
+def _lower_case(tokenizer: PreTrainedTokenizerFast) -> None:
     """Lower-case before the tokenizer's own normaliser, as sentence-transformers does."""
     from tokenizers.normalizers import Lowercase
     from tokenizers.normalizers import Sequence as NormalizerSequence
@@ -140,7 +146,8 @@ def load_config(files: ModelFiles, trust_remote_code: bool):
                                       **_hub(trust_remote_code))
 
 
-def transformers_config(config, files: ModelFiles, trust_remote_code: bool):
+def transformers_config(config: ModelConfig, files: ModelFiles, trust_remote_code: bool
+                        ) -> ModelConfig:
     """``config`` as transformers' own object (a recorded one is loaded again): what
     transformers' model classes need."""
     from pipeline.models.recorded import RecordedConfig
@@ -148,7 +155,8 @@ def transformers_config(config, files: ModelFiles, trust_remote_code: bool):
     return load_config(files, trust_remote_code) if isinstance(config, RecordedConfig) else config
 
 
-def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool, config):
+def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool,
+                     config: ModelConfig):
     """The transformer in eval mode, its weights in float32; eager attention only where asked
     (a pooler reads the attention weights, or the int8 path exports the graph), else SDPA
     where the architecture has it (transformers' choice: MPNet, for one, has only eager).
@@ -168,7 +176,7 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool, co
     return model.eval()
 
 
-def read_bert_weights(files: ModelFiles, config):
+def read_bert_weights(files: ModelFiles, config: ModelConfig):
     """A BERT-family transformer's weights as ``pipeline.fused_bert`` names them (float32),
     read from its one ``model.safetensors`` without transformers' model classes (importing
     them took ~1.2 s of MiniLM's ~1.9 s load). None where transformers' own loader must
@@ -214,7 +222,7 @@ def _hub(trust_remote_code: bool) -> dict:
     return {"local_files_only": True, "trust_remote_code": trust_remote_code}
 
 
-def max_length(files: ModelFiles, tokenizer, positions: int) -> int:
+def max_length(files: ModelFiles, tokenizer: PreTrainedTokenizerFast, positions: int) -> int:
     """Tokens per row as sentence-transformers truncates: a saved max_seq_length as is,
     otherwise the tokenizer's limit capped at the model's positions. A plain HF folder
     keeps embedpipe's rule: the tokenizer's limit, at most 512."""

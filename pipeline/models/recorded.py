@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeline import storage
 from pipeline.config import stable_hash
@@ -29,6 +29,8 @@ from pipeline.errors import ModelError
 from pipeline.settings import cache_root
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
     from pipeline.models.loader import ModelFiles
 
 SCHEMA = 1
@@ -48,7 +50,7 @@ class TokenizerFacts:
     suffix: tuple[int, ...]  # and after it ([SEP])
 
     @classmethod
-    def of(cls, tokenizer, folder: Path) -> TokenizerFacts:
+    def of(cls, tokenizer: PreTrainedTokenizerFast, folder: Path) -> TokenizerFacts:
         """The facts of a loaded transformers fast tokenizer."""
         bare = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
         wrapped = tokenizer(PROBE, add_special_tokens=True)["input_ids"]
@@ -79,8 +81,14 @@ class RecordedConfig(SimpleNamespace):
     own model is needed."""
 
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    ModelConfig = PretrainedConfig | RecordedConfig  # what the encoder and fused forward read
+
+
 def load(files: ModelFiles, files_hash: str, trust_remote_code: bool
-         ) -> tuple[Any, TokenizerFacts]:
+         ) -> tuple[ModelConfig, TokenizerFacts]:
     """(config, tokenizer facts) of the model in ``files`` (whose ``model_hash()`` is
     ``files_hash``): from the record where one holds, else through transformers (and
     recorded, unless the model may run its own code)."""
