@@ -25,7 +25,8 @@ from pipeline.models.similarity import Similarity, read_similarity
 from pipeline.models.transformer import TransformerConfig, read_transformer_config
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
     from pipeline.models.recorded import ModelConfig
 
@@ -136,7 +137,7 @@ def ready_kernels() -> None:
     place_kernel_cache()
 
 
-def load_config(files: ModelFiles, trust_remote_code: bool):
+def load_config(files: ModelFiles, trust_remote_code: bool) -> PretrainedConfig:
     """The transformer's config (with the Transformer module's config arguments)."""
     ready_kernels()
     _quiet_transformers()
@@ -147,7 +148,7 @@ def load_config(files: ModelFiles, trust_remote_code: bool):
 
 
 def transformers_config(config: ModelConfig, files: ModelFiles, trust_remote_code: bool
-                        ) -> ModelConfig:
+                        ) -> PretrainedConfig:
     """``config`` as transformers' own object (a recorded one is loaded again): what
     transformers' model classes need."""
     from pipeline.models.recorded import RecordedConfig
@@ -156,7 +157,7 @@ def transformers_config(config: ModelConfig, files: ModelFiles, trust_remote_cod
 
 
 def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool,
-                     config: ModelConfig):
+                     config: PretrainedConfig) -> torch.nn.Module:
     """The transformer in eval mode, its weights in float32; eager attention only where asked
     (a pooler reads the attention weights, or the int8 path exports the graph), else SDPA
     where the architecture has it (transformers' choice: MPNet, for one, has only eager).
@@ -176,7 +177,8 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool,
     return model.eval()
 
 
-def read_bert_weights(files: ModelFiles, config: ModelConfig):
+def read_bert_weights(files: ModelFiles, config: ModelConfig
+                      ) -> dict[str, torch.Tensor] | None:
     """A BERT-family transformer's weights as ``pipeline.fused_bert`` names them (float32),
     read from its one ``model.safetensors`` without transformers' model classes (importing
     them took ~1.2 s of MiniLM's ~1.9 s load). None where transformers' own loader must
