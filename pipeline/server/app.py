@@ -48,34 +48,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     """The app, with every set's model and index loaded (fails here, not on the first query)."""
     import faiss
 
-    from pipeline.index import list_sets, read_meta
-
     faiss.omp_set_num_threads(config.faiss_threads)  # parallelism comes from requests
-    def indexed() -> list[str]:
-        return [s for s in list_sets(config.out) if read_meta(config.out, s) is not None]
-
-    def load(name: str) -> Searcher:
-        return Searcher(config.out, name, device=config.device,
-                        trust_remote_code=config.trust_remote_code)
-
-    names = list(config.sets) or indexed()
-    if not names:
-        raise EmbedpipeError(f"no indexed sets under {config.out}; run `embedpipe index "
-                             f"{config.out}` first")
-    default = choose_default(names, config.default_set)
     metrics = ServerMetrics()
-    searchers = {n: load(n) for n in names}
-    for searcher in searchers.values():  # served, without snippets for that set
-        if searcher.snippet_note:
-            log.warning("%s", searcher.snippet_note)
-    live = LiveSets(searchers,
-                    config.reload_interval_s, on_swap=lambda s: _served(metrics, s),
-                    on_failure=lambda n: metrics.reload_failures.labels(n).inc(),
-                    discover=None if config.sets else indexed, load=load)  # named: those only
-    for name in names:
-        _served(metrics, live.get(name))
-        metrics.reloads.labels(name)
-        metrics.reload_failures.labels(name)
+    live, default = _live_sets(config, metrics)
     gate = Gate(config.workers, config.queue, config.queue_timeout_s)
     metrics.queue_depth.set_function(lambda: gate.pending)
 
@@ -98,6 +73,38 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestMetrics, metrics=metrics, routes=paths)  # outermost
     app.state.live, app.state.gate, app.state.metrics = live, gate, metrics
     return app
+
+
+def _live_sets(config: ServerConfig, metrics: ServerMetrics) -> tuple[LiveSets, str]:
+    """The served sets (those named, else every indexed one, new ones found as they appear),
+    loaded now and kept current; and the default set's name."""
+    from pipeline.index import list_sets, read_meta
+
+    def indexed() -> list[str]:
+        return [s for s in list_sets(config.out) if read_meta(config.out, s) is not None]
+
+    def load(name: str) -> Searcher:
+        return Searcher(config.out, name, device=config.device,
+                        trust_remote_code=config.trust_remote_code)
+
+    names = list(config.sets) or indexed()
+    if not names:
+        raise EmbedpipeError(f"no indexed sets under {config.out}; run `embedpipe index "
+                             f"{config.out}` first")
+    default = choose_default(names, config.default_set)
+    searchers = {n: load(n) for n in names}
+    for searcher in searchers.values():  # served, without snippets for that set
+        if searcher.snippet_note:
+            log.warning("%s", searcher.snippet_note)
+    live = LiveSets(searchers,
+                    config.reload_interval_s, on_swap=lambda s: _served(metrics, s),
+                    on_failure=lambda n: metrics.reload_failures.labels(n).inc(),
+                    discover=None if config.sets else indexed, load=load)  # named: those only
+    for name in names:
+        _served(metrics, live.get(name))
+        metrics.reloads.labels(name)
+        metrics.reload_failures.labels(name)
+    return live, default
 
 
 def serve(config: ServerConfig, host: str, port: int) -> None:
