@@ -261,24 +261,25 @@ def _start(record: Path) -> str:
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not _healthy(url, timeout=1.0):
-        if proc.poll() is not None:
-            raise PrefectServerError(
-                f"the local Prefect server exited with code {proc.returncode} "
-                f"(log: {record.with_suffix('.log')})"
-            )
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise PrefectServerError(
-                f"the local Prefect server did not answer within {START_TIMEOUT_S}s "
-                f"(log: {record.with_suffix('.log')})"
-            )
-        time.sleep(0.1)
+    _wait_until_healthy(proc, url, record.with_suffix(".log"))
     tmp = record.with_suffix(".tmp")
     tmp.write_text(json.dumps({"pid": proc.pid, "port": port, "identity": _identity()}))
     tmp.replace(record)
     return url
+
+
+def _wait_until_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    """Until the started server answers; raises if it exits or stays silent too long."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _healthy(url, timeout=1.0):
+        if proc.poll() is not None:
+            raise PrefectServerError(
+                f"the local Prefect server exited with code {proc.returncode} (log: {log})")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise PrefectServerError(
+                f"the local Prefect server did not answer within {START_TIMEOUT_S}s (log: {log})")
+        time.sleep(0.1)
 
 
 def _serve(port: int, record: Path, idle_s: float = IDLE_S) -> None:
