@@ -160,3 +160,12 @@ def test_requests_in_progress_or_recent_keep_the_server_from_idling() -> None:
         assert activity.open == 0
 
     asyncio.run(scenario())
+
+
+def test_a_server_that_exits_at_start_is_named_with_its_code_and_log(tmp_path: Path) -> None:
+    from flows.runtime import PrefectServerError, _free_port, _wait_until_healthy
+
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    log = tmp_path / "prefect-server.log"
+    with pytest.raises(PrefectServerError, match=f"exited with code 3 \\(log: {log}\\)"):
+        _wait_until_healthy(proc, f"http://127.0.0.1:{_free_port()}/api", log)
