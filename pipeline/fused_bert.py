@@ -16,7 +16,8 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
   forward, added inside the first product; none for a batch without padding), over blocks of
   rows whose score tensor stays within ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a
   width and dtype where torch's kernel is fast; in fp32 SDPA's CPU kernel, which is faster
-  there (see ``attend``).
+  there; over rows of ``graph_attention.MIN_KEYS`` tokens or more, on an AVX-512 CPU, one
+  fused oneDNN Graph kernel in either dtype (``pipeline.graph_attention``; see ``attend``).
 
 The residual stream, LayerNorms and returned states stay fp32, as under autocast. The weights
 are the model's own ``BertModel`` state dict (only query/key/value are concatenated; packed
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from pipeline import graph_attention
 from pipeline.int8_linear import Int8Linear, calibrate
 from pipeline.onednn import PackedLinear, packs
 
@@ -260,8 +262,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     In fp32 SDPA's CPU kernel (flash attention: no score tensor) computes it instead. One
     layer's attention over [32 rows, 12 heads, 256 tokens, 32] took 30 ms there against 41 ms
     here (25 against 35 with the kernels capped to AVX2), and MiniLM's fp32 forward over 300
-    long texts 3-5% less time; in bf16 this way is faster (16 ms against 26)."""
+    long texts 3-5% less time; in bf16 this way is faster (16 ms against 26).
+
+    Rows of ``graph_attention.MIN_KEYS`` tokens or more go to oneDNN Graph's fused kernel
+    instead where it runs faster (``graph_attention.runs``), in either dtype."""
     rows, heads, width, dim = q.shape
+    if graph_attention.runs(width):
+        return graph_attention.graph_attention(q, k, v, bias)
     if runs_sdpa(q.dtype):
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         return context.transpose(1, 2).reshape(rows, width, heads * dim)
