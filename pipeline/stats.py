@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from typing import Literal, get_args
 
 from pydantic import BaseModel
 
-STAGES = ("read", "tokenize", "encode", "write")  # a shard's stages, in order
-READER_STAGES = ("read", "tokenize")  # run ahead in the shard's reader thread, beside encode
+Stage = Literal["read", "tokenize", "encode", "write"]
+STAGES: tuple[Stage, ...] = get_args(Stage)  # a shard's stages, in order
+READER_STAGES: tuple[Stage, ...] = ("read", "tokenize")  # in the reader thread, beside encode
 
 
 class ShardStats(BaseModel):
@@ -25,12 +27,14 @@ class ShardStats(BaseModel):
     windows: int = 0  # encoder rows (pieces): one per text, more with windows
     truncated: int = 0  # texts cut at max_length
     skipped: dict[str, int] = {}  # reason -> rows
-    seconds: dict[str, float] = {}  # stage -> busy seconds (stages overlap: they can sum > wall)
+    seconds: dict[Stage, float] = {}  # busy seconds (stages overlap: they can sum > wall)
 
     def add_skipped(self, counts: Mapping[str, int]) -> None:
         self.skipped = dict(Counter(self.skipped) + Counter(counts))
 
-    def add_seconds(self, stage: str, seconds: float) -> None:
+    def add_seconds(self, stage: Stage, seconds: float) -> None:
+        if stage not in STAGES:  # a misspelt stage would drop out of the summary line
+            raise ValueError(f"unknown shard stage {stage!r}: not one of {', '.join(STAGES)}")
         self.seconds = {**self.seconds, stage: self.seconds.get(stage, 0.0) + seconds}
 
     def add_encoder(self, counts: Mapping[str, int]) -> None:

@@ -75,6 +75,13 @@ def test_stats_total_adds_every_count_and_stage() -> None:
     assert total.stage_line() == "read 1.0s, encode 2.5s"
 
 
+def test_stats_refuse_a_stage_they_do_not_know() -> None:
+    with pytest.raises(ValueError, match="unknown shard stage 'decode'"):
+        ShardStats().add_seconds("decode", 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="seconds"):
+        ShardStats(seconds={"decode": 1.0})
+
+
 def test_identical_texts_share_one_forward_pass(tmp_path: Path, tiny_model_dir: Path) -> None:
     n = 60
     texts = [text_for(i % 7) for i in range(n)]  # 7 distinct texts, 53 repeats
