@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import graph_attention
+from pipeline.int8_ffn import Int8FeedForward
 from pipeline.int8_linear import Int8Linear, calibrate
 from pipeline.onednn import PackedLinear, packs
 
@@ -143,6 +144,7 @@ class FusedLayer(torch.nn.Module):
         self.up, self.down = _linear(state, "intermediate.dense"), _linear(state, "output.dense")
         self.norm2 = _layer_norm(state, "output.LayerNorm", eps)
         self.heads, self.gelu, self.onednn_fp32 = heads, GELU[config.hidden_act], onednn_fp32
+        self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows, width, _ = x.shape
@@ -151,15 +153,21 @@ class FusedLayer(torch.nn.Module):
         context = attend(q, k, v, bias)
         # fp32 residual + a bf16 product: the add widens inside its loop (no cast pass)
         x = self.norm1(x + self._linear(context, self.out_proj, dtype))
+        return self.norm2(self._feed_forward(x, dtype))
+
+    def _feed_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` + the FFN's output."""
+        if self.ffn is not None:
+            return self.ffn(x)
         inner = self._linear(x, self.up, dtype, activation=True)
-        return self.norm2(x + self._linear(inner, self.down, dtype))
+        return x + self._linear(inner, self.down, dtype)
 
     def to_int8(self) -> None:
-        """Query/key/value, the attention output and the FFN's first product (GELU fused) in
-        int8; the FFN's second product in bf16 (see ``pipeline.int8_linear``)."""
+        """Query/key/value, the attention output and the FFN (``pipeline.int8_ffn``, settled
+        once calibrated) in int8."""
         self.qkv, self.out_proj = Int8Linear(self.qkv), Int8Linear(self.out_proj)
-        self.up = Int8Linear(self.up, gelu=self.gelu)
-        self.pack(torch.bfloat16)
+        self.ffn = Int8FeedForward(self.up, self.down, self.gelu)
+        self.up = self.down = None
 
     def pack(self, dtype: torch.dtype) -> None:
         """Run the products that are still ``nn.Linear`` in ``dtype`` through oneDNN over
@@ -217,14 +225,17 @@ class FusedBert(torch.nn.Module):
         self.dtype = dtype
 
     def to_int8(self, calibration: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Run in int8 from now on: each layer's hidden-wide products through oneDNN's int8
-        inner product, everything else in bf16 (``dtype int8`` where ``pipeline.int8_linear.
+        """Run in int8 from now on: each layer's products through oneDNN's int8 inner
+        product, everything else in bf16 (``dtype int8`` where ``pipeline.int8_linear.
         onednn_int8_available``); their inputs' scales fixed by a forward over
-        ``calibration``'s (ids, mask) batches (``int8_linear.calibration_batches``)."""
+        ``calibration``'s (ids, mask) batches (``int8_linear.calibration_batches``), which
+        also finds the feed-forward channels kept apart in fp32 (``pipeline.int8_ffn``)."""
         for layer in self.layers:
             layer.to_int8()
         self.dtype = torch.bfloat16
-        calibrate(self, calibration)
+        ranges = calibrate(self, calibration)
+        for layer in self.layers:
+            layer.ffn.settle(ranges)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,

@@ -15,12 +15,11 @@ the fixed scales they came back identical, at the same cosine to fp32 (mean 0.99
 batch, 0.9962 fixed; min 0.9782 / 0.9777) and recall@10 (0.532 / 0.5315; fp32 0.5325). Inputs
 outside the calibrated range are clipped to it.
 
-Only products whose input is hidden-size wide are quantized (``FusedLayer.to_int8``: query/key/
-value, the attention output, the FFN's first product). Measured on a 2-core AVX512-BF16 VM, a
-[6,144 x 384] x [384 x 1,536] product: int8 with bf16 output 3.9 ms, bf16 8.7 ms; quantizing
-its fp32 input ~0.6 ms. The FFN's second product reads the 1,536-wide GELU output: quantizing it
-(in bf16, 4x wider) costs about what int8 saves there, and it lowered the cosine to fp32 (MiniLM
-on 2,000 PyPI summaries: min 0.963 with it, 0.973-0.981 without), so it stays bf16.
+Every Linear of a layer runs here (``FusedLayer.to_int8``): query/key/value, the attention
+output, and the feed-forward block, whose first product writes uint8 for its second to read
+(``feed``; ``pipeline.int8_ffn``). Measured on a 2-core AVX512-BF16 VM, a [6,144 x 384] x
+[384 x 1,536] product: int8 with bf16 output 3.9 ms, bf16 8.7 ms; quantizing its fp32 input
+~0.6 ms.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ CALIBRATION_ROWS = 8  # per length (32: the same cosine to fp32 and recall@10 on
 
 def onednn_int8_available() -> bool:
     """Whether this torch has oneDNN's int8 inner product and this CPU runs bf16 natively (the
-    products' outputs, the attention and the FFN's second product are bf16)."""
+    products' outputs and the attention are bf16)."""
     from pipeline.hardware import cpu_bf16_is_faster
 
     ops = torch.ops.onednn
@@ -87,18 +86,26 @@ def calibration_batches(vocab_size: int, special_ids: Iterable[int], prefix: Seq
     return batches
 
 
+ChannelRanges = tuple[torch.Tensor, torch.Tensor]  # (low, high) per input channel
+
+
 def calibrate(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
-              ) -> None:
+              ) -> dict[Int8Linear, ChannelRanges]:
     """Fix the input scale of each ``Int8Linear`` in ``model`` to the range its inputs span
-    in ``model``'s forward over ``batches`` of (ids, mask) (scaled per batch meanwhile)."""
+    in ``model``'s forward over ``batches`` of (ids, mask) (scaled per batch meanwhile); the
+    range of each of their input channels returned."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     for layer in layers:
-        layer.input_qparams, layer.observed = None, (0.0, 0.0)
+        none = torch.zeros(layer.in_features)  # uint8_qparams widens a range to hold 0 anyway
+        layer.input_qparams, layer.observed = None, (none, none)
     with torch.inference_mode():
         for ids, mask in batches:
             model(ids, mask)
-    for layer in layers:
-        layer.input_qparams, layer.observed = uint8_qparams(*layer.observed), None
+    ranges = {layer: layer.observed for layer in layers}
+    for layer, (low, high) in ranges.items():
+        layer.input_qparams = uint8_qparams(float(low.min()), float(high.max()))
+        layer.observed = None
+    return ranges
 
 
 class Int8Linear(torch.nn.Module):
@@ -118,16 +125,37 @@ class Int8Linear(torch.nn.Module):
         self.post_op, self.algorithm = ("gelu", gelu) if gelu else ("none", "")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.input_qparams: tuple[float, int] | None = None
-        self.observed: tuple[float, float] | None = None  # (low, high) while calibrating
+        self.observed: ChannelRanges | None = None  # while calibrating
+        self.output_qparams: tuple[float, int] | None = None  # uint8 out (``feed``)
+
+    def feed(self, after: Int8Linear) -> None:
+        """Write uint8 from now on, quantized with the fixed input scale of ``after`` (its
+        only reader, once ``calibrate`` fixed it), so that ``after`` reads it as it is."""
+        if after.input_qparams is None:
+            raise ValueError("the next product's input scale is not fixed yet: calibrate first")
+        self.output_qparams = after.input_qparams
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qparams = self.input_qparams
-        if qparams is None or self.observed is not None:  # not fixed: this batch's own range
-            low, high = value_range(x)
-            if self.observed is not None:  # calibrating: the range kept
-                self.observed = (min(self.observed[0], low), max(self.observed[1], high))
-            qparams = uint8_qparams(low, high)
-        q, scale, zero = quantize_uint8(x, qparams)
+        if x.dtype == torch.uint8:  # from a product that ``feed``s this one
+            scale, zero = self.input_qparams
+            q = x
+        else:
+            q, scale, zero = quantize_uint8(x, self._qparams(x))
+        out_scale, out_zero, out_dtype = 1.0, 0, torch.bfloat16
+        if self.output_qparams is not None:
+            (out_scale, out_zero), out_dtype = self.output_qparams, None  # None: uint8
         return torch.ops.onednn.qlinear_pointwise(
-            q, scale, zero, self.packed, self.scales, self.zeros, self.bias, 1.0, 0,
-            torch.bfloat16, self.post_op, [], self.algorithm)
+            q, scale, zero, self.packed, self.scales, self.zeros, self.bias, out_scale,
+            out_zero, out_dtype, self.post_op, [], self.algorithm)
+
+    def _qparams(self, x: torch.Tensor) -> tuple[float, int]:
+        """The input's fixed (scale, zero point), else (not fixed, or calibrating) ``x``'s
+        own range's; calibration keeps each channel's."""
+        if self.observed is not None:
+            low, high = torch.aminmax(x.reshape(-1, self.in_features).float(), dim=0)
+            self.observed = (torch.minimum(self.observed[0], low),
+                             torch.maximum(self.observed[1], high))
+            return uint8_qparams(float(low.min()), float(high.max()))
+        if self.input_qparams is not None:
+            return self.input_qparams
+        return uint8_qparams(*value_range(x))

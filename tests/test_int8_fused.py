@@ -18,6 +18,7 @@ from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError, FingerprintError
 from pipeline.fused_bert import FusedBert
+from pipeline.int8_ffn import Int8FeedForward
 from pipeline.int8_linear import (
     Int8Linear,
     calibration_batches,
@@ -27,7 +28,6 @@ from pipeline.int8_linear import (
     value_range,
 )
 from pipeline.models.hashing import int8_hint
-from pipeline.onednn import PackedLinear
 from pipeline.vectors import row_cosines
 from tests._flowkit import job, run_library, text_for, write_corpus
 from tests._int8 import TEXTS, check_int8_vectors, check_text_alone, embedder
@@ -98,13 +98,17 @@ def test_int8_vectors_depend_on_their_text_alone_not_on_batch_mates(
 
 
 def test_a_set_of_a_retired_int8_scheme_is_refused_with_why() -> None:
-    hint = int8_hint("8457b09e37db1283-onednn-int8", "8457b09e37db1283-onednn-int8-static")
+    hint = int8_hint("8457b09e37db1283-onednn-int8", "8457b09e37db1283-onednn-int8-ffn")
     assert hint == ("; its int8 vectors came from oneDNN with input scales taken per batch, "
                     "which this version no longer runs: make the set anew")
     assert int8_hint("8457b09e37db1283-onnx-int8", "8457b09e37db1283-onnx-int8-static") == (
         "; its int8 vectors came from ONNX Runtime with input scales taken per batch, which "
         "this version no longer runs: make the set anew")
-    made, making = "8457b09e37db1283-onnx-int8-static", "8457b09e37db1283-onednn-int8-static"
+    assert int8_hint("8457b09e37db1283-onednn-int8-static", "8457b09e37db1283-onednn-int8-ffn"
+                     ) == ("; its int8 vectors came from oneDNN with the feed-forward block's "
+                           "second product in bf16, which this version no longer runs: make "
+                           "the set anew")
+    made, making = "8457b09e37db1283-onnx-int8-static", "8457b09e37db1283-onednn-int8-ffn"
     assert int8_hint(made, making) == (
         "; its int8 vectors came from onnxruntime, this job's from onednn: int8_kernel "
         "onnxruntime (--int8-kernel onnxruntime) continues it")
@@ -133,10 +137,10 @@ def test_int8_runs_fused_close_to_fp32_with_its_own_fingerprint(
     fp32, int8 = embedder(tiny_model_dir, "fp32"), embedder(tiny_model_dir, "int8")
     model = int8.encoder.model
     assert isinstance(model, FusedBert) and model.dtype == torch.bfloat16
-    assert all(isinstance(layer.qkv, Int8Linear) and isinstance(layer.up, Int8Linear)
-               and isinstance(layer.down, PackedLinear) and layer.down.dtype == torch.bfloat16
-               for layer in model.layers)
-    b = check_int8_vectors(fp32, int8, "-onednn-int8-static")
+    assert all(isinstance(layer.qkv, Int8Linear) and isinstance(layer.ffn, Int8FeedForward)
+               and layer.ffn.up.output_qparams == layer.ffn.down.input_qparams
+               for layer in model.layers)  # up writes the uint8 that down reads
+    b = check_int8_vectors(fp32, int8, "-onednn-int8-ffn")
     np.testing.assert_array_equal(b, int8.encode(TEXTS))  # the same batches: the same vectors
     assert not (cache / "onnx-int8").exists()  # no ONNX export
 

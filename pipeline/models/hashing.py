@@ -94,10 +94,13 @@ def _write_cached(path: Path, value: str) -> None:
 
 # where dtype int8 runs: oneDNN's int8 product in the fused forward (pipeline.int8_linear), or
 # ONNX Runtime (pipeline.quantize); each rounds its own way, so each has its own hash suffix
-INT8_SUFFIXES = {"onednn": "-onednn-int8-static", "onnxruntime": "-onnx-int8-static"}
+INT8_SUFFIXES = {"onednn": "-onednn-int8-ffn", "onnxruntime": "-onnx-int8-static"}
 # int8 schemes no longer run: a set they made is refused (its vectors cannot be continued)
-RETIRED_INT8_SUFFIXES = {"-onednn-int8": "oneDNN with input scales taken per batch",
-                         "-onnx-int8": "ONNX Runtime with input scales taken per batch"}
+RETIRED_INT8_SUFFIXES = {
+    "-onednn-int8": "oneDNN with input scales taken per batch",
+    "-onnx-int8": "ONNX Runtime with input scales taken per batch",
+    "-onednn-int8-static": "oneDNN with the feed-forward block's second product in bf16",
+}
 
 
 def quantized_hash(model_hash: str, int8_kernel: str | None) -> str:
