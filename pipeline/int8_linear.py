@@ -3,7 +3,8 @@
 ``Int8Linear`` keeps a Linear's weights as int8 with one scale per output channel (symmetric,
 as ONNX Runtime's per-channel dynamic quantization), quantizes its input to uint8 with one
 scale and zero point, then runs ``torch.ops.onednn.qlinear_pointwise`` (VNNI / AMX int8 dot
-products) with the bias, a fused GELU where asked and a bf16 output.
+products) with the bias, a fused GELU where asked and a bf16 output (or uint8 for the next
+product to read, ``Int8Linear.feed``).
 
 The input's scale is fixed once, when the model is made int8 (``calibrate``): the range each
 product's input spans over ``calibration_batches``, rows of random token ids drawn with a fixed
@@ -109,10 +110,11 @@ def calibrate(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torc
 
 
 class Int8Linear(torch.nn.Module):
-    """``linear``'s product with int8 weights and a uint8-quantized input, bf16 out, GELU
-    (oneDNN's ``algorithm``: "none" exact, "tanh") fused where ``gelu`` is given. The input's
-    (scale, zero point) is ``input_qparams`` once ``calibrate`` fixed it, else each input's
-    own."""
+    """``linear``'s product with int8 weights and a uint8-quantized input, bf16 out (uint8
+    once it ``feed``s the next product), GELU (oneDNN's ``algorithm``: "none" exact, "tanh")
+    fused where ``gelu`` is given. The input's (scale, zero point) is ``input_qparams`` once
+    ``calibrate`` fixed it, else each input's own; a uint8 input is taken as quantized with
+    ``input_qparams`` already."""
 
     def __init__(self, linear: torch.nn.Linear, gelu: str | None = None) -> None:
         super().__init__()
