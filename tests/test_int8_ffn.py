@@ -31,9 +31,9 @@ def test_outlier_channels_are_the_few_far_wider_than_the_rest() -> None:
 class Block(torch.nn.Module):
     """A feed-forward block in int8, called as ``calibrate`` calls a model."""
 
-    def __init__(self, up: torch.nn.Linear, down: torch.nn.Linear) -> None:
+    def __init__(self, up: torch.nn.Linear, down: torch.nn.Linear, gelu: str = "none") -> None:
         super().__init__()
-        self.ffn = Int8FeedForward(up, down, "none")
+        self.ffn = Int8FeedForward(up, down, gelu)
 
     def forward(self, x: torch.Tensor, _mask: torch.Tensor) -> torch.Tensor:
         return self.ffn(x)
@@ -48,17 +48,18 @@ def _linears(outliers: list[int]) -> tuple[torch.nn.Linear, torch.nn.Linear]:
 
 
 def _error(block: Block, up: torch.nn.Linear, down: torch.nn.Linear, x: torch.Tensor) -> float:
-    expected = x + down(F.gelu(up(x)))
+    expected = x + down(F.gelu(up(x), approximate=block.ffn.gelu))
     with torch.inference_mode():
         return float((block.ffn(x) - expected).norm() / (expected - x).norm())
 
 
 @needs_int8
-def test_the_block_takes_wide_channels_apart_and_stays_close_to_fp32() -> None:
+@pytest.mark.parametrize("gelu", ["none", "tanh"])
+def test_the_block_takes_wide_channels_apart_and_stays_close_to_fp32(gelu: str) -> None:
     up, down = _linears([7, 100])
     batches = [(torch.randn(4, 16, HIDDEN), torch.ones(4, 16)) for _ in range(3)]
     x = torch.randn(2, 9, HIDDEN)
-    block, single_scale = Block(up, down), Block(up, down)
+    block, single_scale = Block(up, down, gelu), Block(up, down, gelu)
     block.ffn.settle(calibrate(block, batches))
     assert block.ffn.outliers is not None and len(block.ffn.outliers[1]) == 2
     assert block.ffn.up.output_qparams == block.ffn.down.input_qparams  # uint8 from up to down
