@@ -15,8 +15,9 @@ heads of 32 (ms, torch's kernels as ``attend`` runs them, then this kernel): bf1
 (SDPA's kernel) 128: 14.6 / 10.2, 256: 24.0 / 14.8; with oneDNN's and ATen's kernels capped to
 AVX2, fp32 128: 15.2 / 15.4, 256: 25.7 / 24.6, 512: 57.0 / 44.8. In MiniLM's forward over long
 texts (truncated at 256 tokens): 1.09x faster in bf16 (1,000 texts), 1.08x in fp32 (400), but
-0.98x capped to AVX2 (300). Hence ``MIN_KEYS``, and this way only where ATen runs AVX-512
-kernels (``runs``).
+0.98x capped to AVX2 (300); over 1,500 texts of 96-127 tokens (keys padded to 128), four
+alternated rounds: bf16 5.56 -> 5.22 s (median), fp32 8.68 -> 8.51 s. Hence ``MIN_KEYS``, and
+this way only where ATen runs AVX-512 kernels (``runs``).
 
 Shapes: the executor specialises a traced function on the input shapes it meets and, past a
 dozen of them, runs the unfused graph op by op (five times slower here). So each input
@@ -39,7 +40,7 @@ from functools import cache, lru_cache
 import torch
 import torch.nn.functional as F
 
-MIN_KEYS = 128  # narrower attention rows stay on torch's kernels (see above)
+MIN_KEYS = 96  # narrower attention rows stay on torch's kernels (see above)
 KEY_STEP = 32  # keys padded up to a multiple of this: fewer shapes, each compiled once
 ROW_BLOCK = 8  # rows per call
 
