@@ -261,7 +261,7 @@ class FusedBert(torch.nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
            ) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
-    from ``attention_bias``: [rows, 1, 1, keys] in q's dtype, keys >= tokens (= in fp32), or
+    from ``attention_bias``: [rows, 1, 1, ``key_width(tokens, dtype)``] in q's dtype, or
     None) as [rows, tokens, heads x head], in blocks of rows whose scores fit
     ``SCORE_BLOCK_BYTES``.
 
@@ -309,20 +309,32 @@ def runs_sdpa(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype, keys: int | None = None
+                   ) -> torch.Tensor | None:
     """[rows, 1, 1, keys], built once a forward: 0 at real tokens, the most negative ``dtype``
-    value at padding (not -inf: a row with no real token gets a uniform softmax, as in
-    transformers, not NaNs); None where no key is masked (a batch of texts cut at max_length).
-    For ``attend``'s blocked products (any dtype but fp32) rows narrower than ``MIN_KEYS``
-    get masked keys appended up to that width (torch's softmax over fewer than 16 values per
-    row runs scalar code); fp32 attention (SDPA) takes the mask as it is."""
+    value at padding and at the masked keys appended past the mask's width up to ``keys``
+    (``key_width``'s by default: what ``attend`` takes for this width and dtype); not -inf:
+    a row with no real token gets a uniform softmax, as in transformers, not NaNs. None where
+    no key is masked (a batch of texts cut at max_length)."""
     rows, width = mask.shape
-    appended = 0 if runs_sdpa(dtype) else max(0, MIN_KEYS - width)
-    padding = F.pad(mask == 0, (0, appended), value=True)
+    keys = key_width(width, dtype) if keys is None else keys
+    padding = F.pad(mask == 0, (0, keys - width), value=True)
     if not padding.any():
         return None
     bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, torch.finfo(dtype).min)
     return bias[:, None, None, :]
+
+
+def key_width(width: int, dtype: torch.dtype) -> int:
+    """How many keys ``attend`` takes over rows of ``width`` tokens in ``dtype``, the keys past
+    ``width`` masked: oneDNN Graph's padded width where that kernel runs
+    (``graph_attention.key_width``); ``width`` for SDPA (fp32); at least ``MIN_KEYS`` for the
+    blocked products (torch's softmax over fewer than 16 values per row runs scalar code)."""
+    if graph_attention.runs(width):
+        return graph_attention.key_width(width)
+    if runs_sdpa(dtype):
+        return width
+    return max(width, MIN_KEYS)
 
 
 def _under(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

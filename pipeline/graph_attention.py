@@ -24,7 +24,8 @@ dozen of them, runs the unfused graph op by op (five times slower here). So each
 signature (dtype, shape, strides) gets a function of its own, traced once (~5-10 ms; its first
 two calls, profiled then compiled, ~30 ms more), and the signatures stay few: rows go through
 in blocks of ``ROW_BLOCK`` (no slower than one call: 11.4-11.5 ms for 32 rows of 256 in blocks
-of 4 to 32), keys are padded up to a multiple of ``KEY_STEP`` (masked by the bias).
+of 4 to 32), keys are padded up to a multiple of ``KEY_STEP`` (``key_width``; masked by the
+bias).
 
 The fuser's switch is process-wide: it is turned on only around these calls, so a caller's own
 TorchScript models keep the executor they had. Where TorchScript or its oneDNN fuser is missing
@@ -65,6 +66,12 @@ def _faster_here() -> bool:
     return available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
+def key_width(width: int) -> int:
+    """The keys this kernel takes over rows of ``width`` tokens: ``width`` padded up to a
+    multiple of ``KEY_STEP`` (the padding masked by the bias)."""
+    return -(-width // KEY_STEP) * KEY_STEP
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
                ) -> torch.Tensor:
     return torch.matmul((torch.matmul(q, k.transpose(-1, -2)) + bias).softmax(-1), v)
@@ -84,24 +91,27 @@ def _traced(signature: tuple[tuple[torch.dtype, torch.Size, tuple[int, ...]], ..
 
 def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
-    [rows, 1, 1, >= tokens] in q's dtype, 0 or the dtype's most negative value, or None) as
-    [rows, tokens, heads x head], through oneDNN Graph's fused kernel."""
+    """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled) as [rows,
+    tokens, heads x head], through oneDNN Graph's fused kernel. ``bias``: [rows, 1, 1,
+    ``key_width(tokens)``] in q's dtype, 0 or the dtype's most negative value (its padded keys
+    masked; ``pipeline.fused_bert.attention_bias`` builds it once a forward), or None where
+    no key is masked."""
     rows, heads, width, dim = q.shape
-    keys = -(-width // KEY_STEP) * KEY_STEP
+    keys = key_width(width)
+    if bias is None:
+        bias = torch.zeros((rows, 1, 1, keys), dtype=q.dtype)
+    if bias.shape[-1] != keys:
+        raise ValueError(f"a bias over {bias.shape[-1]} keys for rows of {width} tokens: this "
+                         f"kernel takes {keys} (key_width)")
     if keys > width:
         q, k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (q, k, v))
-    full = torch.zeros((rows, 1, 1, keys), dtype=q.dtype)
-    full[..., width:] = torch.finfo(q.dtype).min
-    if bias is not None:
-        full[..., :width] = bias[..., :width]
     context = torch.empty((rows, width, heads, dim), dtype=q.dtype)
     enabled = torch.jit.onednn_fusion_enabled()
     torch.jit.enable_onednn_fusion(True)
     try:
         for start in range(0, rows, ROW_BLOCK):
             part = slice(start, start + ROW_BLOCK)
-            inputs = (q[part], k[part], v[part], full[part])
+            inputs = (q[part], k[part], v[part], bias[part])
             out = _traced(tuple((t.dtype, t.shape, t.stride()) for t in inputs))(*inputs)
             context[part] = out[:, :, :width].transpose(1, 2)
     finally:

@@ -40,12 +40,12 @@ def test_graph_attention_is_attention(monkeypatch: pytest.MonkeyPatch, width: in
     _, mask = batch(rows=rows, width=width)
     for case in (mask, torch.ones_like(mask)):
         q, k, v = views(rows, width, torch.float32)
-        bias = attention_bias(case, torch.float32)
+        bias = attention_bias(case, torch.float32, graph_attention.key_width(width))
         got = graph_attention.graph_attention(q, k, v, bias)
         assert got.shape == (rows, width, 64) and got.dtype == torch.float32
         torch.testing.assert_close(got, sdpa(q, k, v, bias), atol=1e-5, rtol=1e-5)
         q, k, v = views(rows, width, torch.bfloat16)
-        bias = attention_bias(case, torch.bfloat16)
+        bias = attention_bias(case, torch.bfloat16, graph_attention.key_width(width))
         got = graph_attention.graph_attention(q, k, v, bias)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), sdpa(q, k, v, bias), atol=0.05, rtol=0.02)
@@ -63,7 +63,8 @@ def test_every_call_runs_one_fused_kernel_per_block_of_rows() -> None:
         for width in (128, 150, 255, 256):
             for rows in (1, 5, 8, 13, 33):
                 q, k, v = views(rows, width, dtype)
-                bias = attention_bias(batch(rows=rows, width=width)[1], dtype)
+                bias = attention_bias(batch(rows=rows, width=width)[1], dtype,
+                                      graph_attention.key_width(width))
                 for _ in range(2):  # the executor profiles, then optimises
                     graph_attention.graph_attention(q, k, v, bias)
                 with torch.profiler.profile() as profile:
@@ -118,3 +119,15 @@ def test_the_fused_model_over_long_rows_matches_the_models_own(
     assert calls == [torch.float32] * 3 + [torch.bfloat16] * 3  # every layer, both forwards
     cosine = F.cosine_similarity(real(half, mask), real(want, mask), dim=-1)
     assert cosine.min() > 0.999
+
+
+def test_the_forwards_bias_is_built_for_the_kernels_keys(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Once a forward, not once a layer: the bias already spans the kernel's padded keys."""
+    monkeypatch.setattr(graph_attention, "_faster_here", lambda: True)
+    _, mask = batch(rows=3, width=150)
+    bias = attention_bias(mask, torch.bfloat16)
+    assert bias.shape == (3, 1, 1, graph_attention.key_width(150)) == (3, 1, 1, 160)
+    assert (bias[..., 150:] < -1e38).all()
+    with pytest.raises(ValueError, match="this kernel takes 160"):
+        graph_attention.graph_attention(*views(3, 150, torch.bfloat16), bias[..., :150])
