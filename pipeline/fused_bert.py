@@ -12,12 +12,14 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
 * GELU in the product's epilogue (oneDNN's fused ``linear_pointwise``; fp32 through oneDNN
   where the CPU probe timed it at least as fast as MKL (``pipeline.onednn.FUSED_MIN_GAIN``),
   else ``F.linear`` then ``F.gelu``);
-* attention in bf16 as two batched products around a softmax (the padding mask, built once a
-  forward, added inside the first product; none for a batch without padding), over blocks of
-  rows whose score tensor stays within ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a
-  width and dtype where torch's kernel is fast; in fp32 SDPA's CPU kernel, which is faster
-  there; over rows of ``graph_attention.MIN_KEYS`` tokens or more, on an AVX-512 CPU, one
-  fused oneDNN Graph kernel in either dtype (``pipeline.graph_attention``; see ``attend``).
+* attention through the kernel measured fastest for the CPU, dtype and width
+  (``attention_kernel``): SDPA's flash kernel in bf16 where AMX runs, and in fp32; over rows
+  of ``graph_attention.MIN_KEYS`` tokens or more on other AVX-512 CPUs, one fused oneDNN
+  Graph kernel (``pipeline.graph_attention``); else, in bf16, two batched products around a
+  softmax (the padding mask, built once a forward, added inside the first product; none for
+  a batch without padding), over blocks of rows whose score tensor stays within
+  ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a width and dtype where torch's kernel
+  is fast.
 
 The residual stream, LayerNorms and returned states stay fp32, as under autocast. The weights
 are the model's own ``BertModel`` state dict (only query/key/value are concatenated; packed
@@ -38,12 +40,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import cache
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
-from pipeline import graph_attention
+from pipeline import graph_attention, hardware
 from pipeline.int8_ffn import Int8FeedForward
 from pipeline.int8_linear import Int8Linear, calibrate
 from pipeline.onednn import PackedLinear, packs
@@ -58,6 +61,7 @@ SCORE_BLOCK_BYTES = 8 << 20  # attention scores per block of rows
 # ~6 (scalar code), of >= 16 0.3-0.7; bf16 rows of < 32 2-4, 32-63 0.4-1.6, >= 64 ~0.35
 MIN_KEYS = 16  # narrower attention rows get masked keys appended
 BF16_SOFTMAX_KEYS = 64  # narrower bf16 rows take their softmax in fp32
+AMX_SDPA_MIN_KEYS = 32  # where AMX runs, bf16 rows this wide take SDPA (``attention_kernel``)
 EMBEDDINGS = ("word_embeddings", "position_embeddings", "token_type_embeddings")
 
 
@@ -262,27 +266,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
            ) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
     from ``attention_bias``: [rows, 1, 1, ``key_width(tokens, dtype)``] in q's dtype, or
-    None) as [rows, tokens, heads x head], in blocks of rows whose scores fit
-    ``SCORE_BLOCK_BYTES``.
+    None) as [rows, tokens, heads x head], through the kernel ``attention_kernel`` picks."""
+    rows, heads, width, dim = q.shape
+    kernel = attention_kernel(width, q.dtype)
+    if kernel == "graph":
+        return graph_attention.graph_attention(q, k, v, bias)
+    if kernel == "sdpa":
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+        return context.transpose(1, 2).reshape(rows, width, heads * dim)
+    return _blocked_attention(q, k, v, bias)
+
+
+def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``attend`` as two batched products around a softmax, in blocks of rows whose scores
+    fit ``SCORE_BLOCK_BYTES``.
 
     The scores come out of the product rounded to q's dtype; the softmax then runs where
     torch's CPU kernel is fast for the row's width (it computes in fp32 inside either way):
     k and v get zero keys appended up to the bias's width (masked by it), and bf16 rows
-    narrower than ``BF16_SOFTMAX_KEYS`` are faster cast to fp32 and back.
-
-    In fp32 SDPA's CPU kernel (flash attention: no score tensor) computes it instead. One
-    layer's attention over [32 rows, 12 heads, 256 tokens, 32] took 30 ms there against 41 ms
-    here (25 against 35 with the kernels capped to AVX2), and MiniLM's fp32 forward over 300
-    long texts 3-5% less time; in bf16 this way is faster (16 ms against 26).
-
-    Rows of ``graph_attention.MIN_KEYS`` tokens or more go to oneDNN Graph's fused kernel
-    instead where it runs faster (``graph_attention.runs``), in either dtype."""
+    narrower than ``BF16_SOFTMAX_KEYS`` are faster cast to fp32 and back."""
     rows, heads, width, dim = q.shape
-    if graph_attention.runs(width):
-        return graph_attention.graph_attention(q, k, v, bias)
-    if runs_sdpa(q.dtype):
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
-        return context.transpose(1, 2).reshape(rows, width, heads * dim)
     keys = width if bias is None else bias.shape[-1]
     if keys > width:
         k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (k, v))
@@ -303,10 +307,35 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     return context.view(rows, width, heads * dim)
 
 
-def runs_sdpa(dtype: torch.dtype) -> bool:
-    """Whether ``attend`` hands attention in ``dtype`` to SDPA's CPU kernel (fp32) rather than
-    its blocked products (whose bias ``attention_bias`` widens)."""
-    return dtype == torch.float32
+def attention_kernel(width: int, dtype: torch.dtype) -> Literal["sdpa", "graph", "blocked"]:
+    """Which kernel ``attend`` runs over rows of ``width`` tokens in ``dtype`` here, each
+    where it was measured fastest:
+
+    * ``sdpa``, torch's flash attention (no score tensor): in bf16 over rows of
+      ``AMX_SDPA_MIN_KEYS`` tokens or more on a CPU whose AMX runs (``bf16_sdpa_here``), in
+      fp32 below ``graph_attention.MIN_KEYS`` tokens. On a 2-core AMX Xeon VM, MiniLM's bf16
+      encode (three alternated rounds, best): 300 texts of 253 tokens 1.97 s against 2.35 s
+      with the oneDNN Graph kernel, 3,000 summaries 1.50 s against 1.52 s blocked, but 1.78 s
+      with SDPA over every width (rows of 20-29 tokens: 4.2-6.5 ms a layer against 2.9-4.1
+      blocked). Where AMX is absent torch's kernel does not pack its blocks for AMX and ran
+      slower in bf16 (an AVX512-BF16 EPYC VM, 32 rows of 256 tokens: 26 ms against 16).
+    * ``graph``, oneDNN Graph's fused kernel (``graph_attention.runs``), in either dtype;
+    * ``blocked``, ``_blocked_attention``: bf16 elsewhere. On the EPYC VM one layer's fp32
+      attention over [32 rows, 12 heads, 256 tokens, 32] took 30 ms through SDPA against 41
+      ms blocked."""
+    if dtype == torch.bfloat16 and bf16_sdpa_here():
+        return "sdpa" if width >= AMX_SDPA_MIN_KEYS else "blocked"
+    if graph_attention.runs(width):
+        return "graph"
+    return "sdpa" if dtype == torch.float32 else "blocked"
+
+
+@cache
+def bf16_sdpa_here() -> bool:
+    """Whether SDPA's CPU kernel is the fast bf16 attention here: where AMX runs (torch packs
+    its blocks for oneDNN's AMX product then) on a CPU where ATen runs AVX-512 kernels."""
+    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and hardware.amx_runs())
 
 
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype, keys: int | None = None
@@ -328,13 +357,12 @@ def attention_bias(mask: torch.Tensor, dtype: torch.dtype, keys: int | None = No
 def key_width(width: int, dtype: torch.dtype) -> int:
     """How many keys ``attend`` takes over rows of ``width`` tokens in ``dtype``, the keys past
     ``width`` masked: oneDNN Graph's padded width where that kernel runs
-    (``graph_attention.key_width``); ``width`` for SDPA (fp32); at least ``MIN_KEYS`` for the
+    (``graph_attention.key_width``); ``width`` for SDPA; at least ``MIN_KEYS`` for the
     blocked products (torch's softmax over fewer than 16 values per row runs scalar code)."""
-    if graph_attention.runs(width):
+    kernel = attention_kernel(width, dtype)
+    if kernel == "graph":
         return graph_attention.key_width(width)
-    if runs_sdpa(dtype):
-        return width
-    return max(width, MIN_KEYS)
+    return width if kernel == "sdpa" else max(width, MIN_KEYS)
 
 
 def _under(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -141,6 +141,12 @@ def prepare_cpu_kernels() -> None:
         os.environ["ONEDNN_MAX_CPU_ISA"] = CAPPED_ISA
 
 
+def amx_runs() -> bool:
+    """True where the CPU advertises AMX's bf16 tiles and they do not trap here (the probe):
+    torch's own bf16 kernels that pack for AMX (SDPA's flash attention among them) run."""
+    return _advertises_amx() and not cpu_profile()["amx_traps"]
+
+
 def _advertises_amx() -> bool:
     try:
         return "amx_bf16" in Path("/proc/cpuinfo").read_text()

@@ -102,8 +102,9 @@ def test_packed_weights_give_the_same_states_bit_for_bit(dtype: torch.dtype,
 
 @pytest.mark.parametrize("width", [5, 19, 70])  # keys appended (MIN_KEYS); fp32/bf16 softmax
 def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
-    """fp32 attention is SDPA's; bf16 attention, in blocks of rows, is SDPA's over the same
-    (bf16) inputs within bf16's rounding, and the same bit for bit whatever the block."""
+    """fp32 attention is SDPA's; bf16 attention, in blocks of rows (no AMX), is SDPA's over the
+    same (bf16) inputs within bf16's rounding, and the same bit for bit whatever the block."""
+    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: False)
     torch.manual_seed(0)
     half = [torch.randn(7, 3, width, 16).bfloat16() for _ in range(3)]
     q, k, v = (t.float() for t in half)
@@ -122,6 +123,54 @@ def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width
         with monkeypatch.context() as patched:  # 2 rows a block
             patched.setattr(fused_bert, "SCORE_BLOCK_BYTES", 2 * 3 * width * 16 * 2)
             torch.testing.assert_close(attend(*half, bias), whole, atol=0, rtol=0)
+
+
+def test_each_kernel_takes_the_widths_and_dtypes_it_was_measured_fastest_at(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_bert.graph_attention, "_faster_here", lambda: True)
+    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: True)  # AMX runs
+    kernel = fused_bert.attention_kernel
+    narrow, wide = fused_bert.AMX_SDPA_MIN_KEYS - 1, fused_bert.graph_attention.MIN_KEYS
+    assert [kernel(w, torch.bfloat16) for w in (narrow, narrow + 1, wide)] == [
+        "blocked", "sdpa", "sdpa"]
+    assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "graph"]
+    assert fused_bert.key_width(wide + 1, torch.bfloat16) == wide + 1  # SDPA: no keys appended
+    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: False)  # no AMX
+    assert [kernel(w, torch.bfloat16) for w in (narrow, wide)] == ["blocked", "graph"]
+
+
+def test_amx_runs_only_where_advertised_and_not_trapping(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    from pipeline import hardware
+
+    for advertised, traps, runs in ((True, False, True), (True, True, False),
+                                    (False, False, False)):
+        monkeypatch.setattr(hardware, "_advertises_amx", lambda a=advertised: a)
+        monkeypatch.setattr(hardware, "cpu_profile", lambda t=traps: {"amx_traps": t})
+        assert hardware.amx_runs() is runs
+
+
+def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever this CPU: SDPA's bf16 attention (what an AMX CPU runs) gives transformers'
+    states within bf16's rounding, in every layer, and rows too narrow for it stay blocked."""
+    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: True)
+    model = tiny(max_position_embeddings=200)
+    calls: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+    with torch.inference_mode():
+        fused = FusedBert.from_model(model, onednn_fp32=True)
+        fused.pack(torch.bfloat16)
+        for width in (fused_bert.AMX_SDPA_MIN_KEYS - 1, 150):
+            ids, mask = batch(rows=6, width=width)
+            want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            with monkeypatch.context() as patched:
+                patched.setattr(F, "scaled_dot_product_attention",
+                                lambda *a, w=width, **kw: calls.append(w) or sdpa(*a, **kw))
+                got = fused(ids, mask).last_hidden_state
+            cosine = F.cosine_similarity(real(got, mask), real(want, mask), dim=-1)
+            assert cosine.min() > 0.999, width
+    assert calls == [150] * 3
 
 
 def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None:

@@ -35,8 +35,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor |
 
 @pytest.mark.parametrize("width", [97, 128, 150])  # keys padded up to a step; a whole step
 @pytest.mark.parametrize("rows", [13, 3])  # blocks of 8 and 5 rows; one block
-def test_graph_attention_is_attention(monkeypatch: pytest.MonkeyPatch, width: int, rows: int
-                                      ) -> None:
+def test_graph_attention_is_attention(width: int, rows: int) -> None:
     _, mask = batch(rows=rows, width=width)
     for case in (mask, torch.ones_like(mask)):
         q, k, v = views(rows, width, torch.float32)
@@ -50,9 +49,7 @@ def test_graph_attention_is_attention(monkeypatch: pytest.MonkeyPatch, width: in
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), sdpa(q, k, v, bias), atol=0.05, rtol=0.02)
         # the same rounding as the blocked products it replaces (scores in bf16 both ways)
-        with monkeypatch.context() as patched:
-            patched.setattr(graph_attention, "runs", lambda width: False)
-            blocked = fused_bert.attend(q, k, v, bias)
+        blocked = fused_bert._blocked_attention(q, k, v, bias)
         torch.testing.assert_close(got.float(), blocked.float(), atol=4e-3, rtol=0.02)
 
 
@@ -97,8 +94,10 @@ def test_runs_only_over_wide_rows_where_it_is_faster(monkeypatch: pytest.MonkeyP
 def test_the_fused_model_over_long_rows_matches_the_models_own(
         monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """The fused forward with its attention through oneDNN Graph (whatever this CPU) gives
-    transformers' states in fp32, and bf16 states close to them."""
+    transformers' states in fp32, and bf16 states close to them (where AMX runs, bf16 takes
+    SDPA instead: not here)."""
     monkeypatch.setattr(graph_attention, "_faster_here", lambda: True)
+    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: False)
     model = tiny(kind, max_position_embeddings=300)
     ids, mask = batch(rows=11, width=200)
     calls = []
@@ -125,6 +124,7 @@ def test_the_forwards_bias_is_built_for_the_kernels_keys(monkeypatch: pytest.Mon
                                                          ) -> None:
     """Once a forward, not once a layer: the bias already spans the kernel's padded keys."""
     monkeypatch.setattr(graph_attention, "_faster_here", lambda: True)
+    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: False)
     _, mask = batch(rows=3, width=150)
     bias = attention_bias(mask, torch.bfloat16)
     assert bias.shape == (3, 1, 1, graph_attention.key_width(150)) == (3, 1, 1, 160)
