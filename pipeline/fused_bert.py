@@ -13,9 +13,9 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
   where the CPU probe timed it at least as fast as MKL (``pipeline.onednn.FUSED_MIN_GAIN``),
   else ``F.linear`` then ``F.gelu``);
 * attention through the kernel measured fastest for the CPU, dtype and width
-  (``attention_kernel``): SDPA's flash kernel in bf16 where AMX runs, and in fp32; over rows
-  of ``graph_attention.MIN_KEYS`` tokens or more on other AVX-512 CPUs, one fused oneDNN
-  Graph kernel (``pipeline.graph_attention``); else, in bf16, two batched products around a
+  (``attention_kernel``): SDPA's flash kernel where AMX runs, and in fp32; over rows of
+  ``graph_attention.MIN_KEYS`` tokens or more on other AVX-512 CPUs, one fused oneDNN Graph
+  kernel (``pipeline.graph_attention``); else, in bf16, two batched products around a
   softmax (the padding mask, built once a forward, added inside the first product; none for
   a batch without padding), over blocks of rows whose score tensor stays within
   ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a width and dtype where torch's kernel
@@ -311,29 +311,31 @@ def attention_kernel(width: int, dtype: torch.dtype) -> Literal["sdpa", "graph",
     """Which kernel ``attend`` runs over rows of ``width`` tokens in ``dtype`` here, each
     where it was measured fastest:
 
-    * ``sdpa``, torch's flash attention (no score tensor): in bf16 over rows of
-      ``AMX_SDPA_MIN_KEYS`` tokens or more on a CPU whose AMX runs (``bf16_sdpa_here``), in
-      fp32 below ``graph_attention.MIN_KEYS`` tokens. On a 2-core AMX Xeon VM, MiniLM's bf16
-      encode (three alternated rounds, best): 300 texts of 253 tokens 1.97 s against 2.35 s
-      with the oneDNN Graph kernel, 3,000 summaries 1.50 s against 1.52 s blocked, but 1.78 s
-      with SDPA over every width (rows of 20-29 tokens: 4.2-6.5 ms a layer against 2.9-4.1
-      blocked). Where AMX is absent torch's kernel does not pack its blocks for AMX and ran
-      slower in bf16 (an AVX512-BF16 EPYC VM, 32 rows of 256 tokens: 26 ms against 16).
-    * ``graph``, oneDNN Graph's fused kernel (``graph_attention.runs``), in either dtype;
-    * ``blocked``, ``_blocked_attention``: bf16 elsewhere. On the EPYC VM one layer's fp32
-      attention over [32 rows, 12 heads, 256 tokens, 32] took 30 ms through SDPA against 41
-      ms blocked."""
-    if dtype == torch.bfloat16 and bf16_sdpa_here():
-        return "sdpa" if width >= AMX_SDPA_MIN_KEYS else "blocked"
+    * where AMX runs (``amx_here``): torch's flash attention (SDPA, no score tensor) in fp32,
+      and in bf16 over rows of ``AMX_SDPA_MIN_KEYS`` tokens or more (torch packs its blocks
+      for oneDNN's AMX product there); narrower bf16 rows blocked. On a 2-core AMX Xeon VM,
+      MiniLM's encode, alternated rounds, best: bf16, 1,000 texts of 253 tokens 6.34 s
+      against 7.29 s with the oneDNN Graph kernel; 3,000 summaries 1.50 s against 1.52 s
+      blocked, but 1.78 s with SDPA over every width (rows of 20-29 tokens: 4.2-6.5 ms a
+      layer against 2.9-4.1 blocked); fp32, 300 long texts 6.22 s against 6.41 s.
+    * elsewhere, rows of ``graph_attention.MIN_KEYS`` tokens or more on an AVX-512 CPU:
+      oneDNN Graph's fused kernel (``graph_attention.runs``), in either dtype;
+    * else SDPA in fp32, blocked (``_blocked_attention``) in bf16. On an AVX512-BF16 EPYC VM
+      (no AMX: torch's SDPA does not pack there), one layer's attention over [32 rows, 12
+      heads, 256 tokens, 32] took 30 ms through SDPA against 41 ms blocked in fp32, but in
+      bf16 16 ms blocked against 26 through SDPA."""
+    if amx_here() and dtype in (torch.bfloat16, torch.float32):
+        narrow = dtype == torch.bfloat16 and width < AMX_SDPA_MIN_KEYS
+        return "blocked" if narrow else "sdpa"
     if graph_attention.runs(width):
         return "graph"
     return "sdpa" if dtype == torch.float32 else "blocked"
 
 
 @cache
-def bf16_sdpa_here() -> bool:
-    """Whether SDPA's CPU kernel is the fast bf16 attention here: where AMX runs (torch packs
-    its blocks for oneDNN's AMX product then) on a CPU where ATen runs AVX-512 kernels."""
+def amx_here() -> bool:
+    """Whether AMX runs here (``hardware.amx_runs``) on a CPU where ATen runs AVX-512
+    kernels: where ``attention_kernel`` takes SDPA's kernel."""
     return (torch.backends.cpu.get_cpu_capability() == "AVX512"
             and hardware.amx_runs())
 

@@ -57,8 +57,8 @@ def available() -> bool:
 def runs(width: int) -> bool:
     """Whether ``pipeline.fused_bert.attend`` hands attention over rows of ``width`` tokens
     to ``graph_attention`` here: rows of at least ``MIN_KEYS``, on a CPU where ATen runs
-    AVX-512 kernels, where it was measured faster (in bf16 where AMX runs SDPA is faster:
-    ``pipeline.fused_bert.attention_kernel``)."""
+    AVX-512 kernels, where it was measured faster (where AMX runs SDPA's kernel was faster
+    still: ``pipeline.fused_bert.attention_kernel``)."""
     return width >= MIN_KEYS and _faster_here()
 
 

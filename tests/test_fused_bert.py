@@ -104,7 +104,7 @@ def test_packed_weights_give_the_same_states_bit_for_bit(dtype: torch.dtype,
 def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
     """fp32 attention is SDPA's; bf16 attention, in blocks of rows (no AMX), is SDPA's over the
     same (bf16) inputs within bf16's rounding, and the same bit for bit whatever the block."""
-    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: False)
+    monkeypatch.setattr(fused_bert, "amx_here", lambda: False)
     torch.manual_seed(0)
     half = [torch.randn(7, 3, width, 16).bfloat16() for _ in range(3)]
     q, k, v = (t.float() for t in half)
@@ -128,15 +128,16 @@ def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width
 def test_each_kernel_takes_the_widths_and_dtypes_it_was_measured_fastest_at(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_bert.graph_attention, "_faster_here", lambda: True)
-    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: True)  # AMX runs
+    monkeypatch.setattr(fused_bert, "amx_here", lambda: True)  # AMX runs
     kernel = fused_bert.attention_kernel
     narrow, wide = fused_bert.AMX_SDPA_MIN_KEYS - 1, fused_bert.graph_attention.MIN_KEYS
     assert [kernel(w, torch.bfloat16) for w in (narrow, narrow + 1, wide)] == [
         "blocked", "sdpa", "sdpa"]
-    assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "graph"]
+    assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "sdpa"]
     assert fused_bert.key_width(wide + 1, torch.bfloat16) == wide + 1  # SDPA: no keys appended
-    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: False)  # no AMX
+    monkeypatch.setattr(fused_bert, "amx_here", lambda: False)  # no AMX
     assert [kernel(w, torch.bfloat16) for w in (narrow, wide)] == ["blocked", "graph"]
+    assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "graph"]
 
 
 def test_amx_runs_only_where_advertised_and_not_trapping(monkeypatch: pytest.MonkeyPatch
@@ -154,7 +155,7 @@ def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever this CPU: SDPA's bf16 attention (what an AMX CPU runs) gives transformers'
     states within bf16's rounding, in every layer, and rows too narrow for it stay blocked."""
-    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: True)
+    monkeypatch.setattr(fused_bert, "amx_here", lambda: True)
     model = tiny(max_position_embeddings=200)
     calls: list[int] = []
     sdpa = F.scaled_dot_product_attention

@@ -97,7 +97,7 @@ def test_the_fused_model_over_long_rows_matches_the_models_own(
     transformers' states in fp32, and bf16 states close to them (where AMX runs, bf16 takes
     SDPA instead: not here)."""
     monkeypatch.setattr(graph_attention, "_faster_here", lambda: True)
-    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: False)
+    monkeypatch.setattr(fused_bert, "amx_here", lambda: False)
     model = tiny(kind, max_position_embeddings=300)
     ids, mask = batch(rows=11, width=200)
     calls = []
@@ -124,7 +124,7 @@ def test_the_forwards_bias_is_built_for_the_kernels_keys(monkeypatch: pytest.Mon
                                                          ) -> None:
     """Once a forward, not once a layer: the bias already spans the kernel's padded keys."""
     monkeypatch.setattr(graph_attention, "_faster_here", lambda: True)
-    monkeypatch.setattr(fused_bert, "bf16_sdpa_here", lambda: False)
+    monkeypatch.setattr(fused_bert, "amx_here", lambda: False)
     _, mask = batch(rows=3, width=150)
     bias = attention_bias(mask, torch.bfloat16)
     assert bias.shape == (3, 1, 1, graph_attention.key_width(150)) == (3, 1, 1, 160)
