@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
-from pipeline import fused_bert
+from pipeline import fused_bert, hardware
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.fused_bert import FusedBert, attend, fusable
@@ -142,8 +142,6 @@ def test_each_kernel_takes_the_widths_and_dtypes_it_was_measured_fastest_at(
 
 def test_amx_runs_only_where_advertised_and_not_trapping(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    from pipeline import hardware
-
     for advertised, traps, runs in ((True, False, True), (True, True, False),
                                     (False, False, False)):
         monkeypatch.setattr(hardware, "_advertises_amx", lambda a=advertised: a)

@@ -94,8 +94,8 @@ def test_runs_only_over_wide_rows_where_it_is_faster(monkeypatch: pytest.MonkeyP
 def test_the_fused_model_over_long_rows_matches_the_models_own(
         monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """The fused forward with its attention through oneDNN Graph (whatever this CPU) gives
-    transformers' states in fp32, and bf16 states close to them (where AMX runs, bf16 takes
-    SDPA instead: not here)."""
+    transformers' states in fp32, and bf16 states close to them (where AMX runs, both dtypes
+    take SDPA instead: not here)."""
     monkeypatch.setattr(graph_attention, "_faster_here", lambda: True)
     monkeypatch.setattr(fused_bert, "amx_here", lambda: False)
     model = tiny(kind, max_position_embeddings=300)
