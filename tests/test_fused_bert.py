@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
-from pipeline import fused_bert, hardware
+from pipeline import fused_bert
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.fused_bert import FusedBert, attend, fusable
@@ -138,15 +138,6 @@ def test_each_kernel_takes_the_widths_and_dtypes_it_was_measured_fastest_at(
     monkeypatch.setattr(fused_bert, "amx_here", lambda: False)  # no AMX
     assert [kernel(w, torch.bfloat16) for w in (narrow, wide)] == ["blocked", "graph"]
     assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "graph"]
-
-
-def test_amx_runs_only_where_advertised_and_not_trapping(monkeypatch: pytest.MonkeyPatch
-                                                         ) -> None:
-    for advertised, traps, runs in ((True, False, True), (True, True, False),
-                                    (False, False, False)):
-        monkeypatch.setattr(hardware, "_advertises_amx", lambda a=advertised: a)
-        monkeypatch.setattr(hardware, "cpu_profile", lambda t=traps: {"amx_traps": t})
-        assert hardware.amx_runs() is runs
 
 
 def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(

@@ -162,3 +162,12 @@ def test_the_probe_output_is_read_line_by_line(
                       for i in range(dies_after))
     monkeypatch.setattr(hardware, "_PROBE", f"import json, os; {lines}; os.abort()")
     assert hardware._run_probe(dict(os.environ)) == expected
+
+
+def test_amx_runs_only_where_advertised_and_not_trapping(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    for advertised, traps, runs in ((True, False, True), (True, True, False),
+                                    (False, False, False)):
+        monkeypatch.setattr(hardware, "_advertises_amx", lambda a=advertised: a)
+        monkeypatch.setattr(hardware, "cpu_profile", lambda t=traps: {"amx_traps": t})
+        assert hardware.amx_runs() is runs
