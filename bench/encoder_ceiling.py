@@ -43,26 +43,30 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ProductTimer:
-    """Wraps ``FusedLayer._linear``: the seconds each product took and what it multiplied."""
+    """Wraps ``FusedLayer._product``: the seconds each product took (a residual add in its
+    epilogue included) and what it multiplied."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[torch.Size, torch.nn.Module, torch.dtype, bool, float]] = []
-        self._original = FusedLayer._linear
+        self.calls: list[tuple[torch.Size, torch.nn.Module, torch.dtype, bool,
+                               torch.dtype | None, float]] = []
+        self._original = FusedLayer._product
 
     def __enter__(self) -> ProductTimer:
         original = self._original
 
-        def timed(layer_self, x, layer, dtype, activation=False):
+        def timed(layer_self, x, layer, dtype, activation, residual):
             start = time.perf_counter()
-            out = original(layer_self, x, layer, dtype, activation)
-            self.calls.append((x.shape, layer, dtype, activation, time.perf_counter() - start))
+            out = original(layer_self, x, layer, dtype, activation, residual)
+            added = None if residual is None else residual.dtype
+            self.calls.append((x.shape, layer, dtype, activation, added,
+                               time.perf_counter() - start))
             return out
 
-        FusedLayer._linear = timed
+        FusedLayer._product = timed
         return self
 
     def __exit__(self, *exc: object) -> None:
-        FusedLayer._linear = self._original
+        FusedLayer._product = self._original
 
     def seconds(self) -> float:
         return sum(call[-1] for call in self.calls)
@@ -74,11 +78,13 @@ class ProductTimer:
 
 def replay(calls: list, fused_layer: FusedLayer) -> float:
     """Seconds the products of ``calls`` take back to back, on random inputs of their shapes."""
-    inputs = [torch.randn(shape).to(dtype) for shape, _, dtype, *_ in calls]
+    inputs = [(torch.randn(shape).to(dtype),
+               None if added is None else torch.randn(*shape[:-1], layer.out_features).to(added))
+              for shape, layer, dtype, _, added, _ in calls]
     with torch.inference_mode():
         start = time.perf_counter()
-        for x, (_, layer, dtype, activation, _) in zip(inputs, calls, strict=True):
-            FusedLayer._linear(fused_layer, x, layer, dtype, activation)
+        for (x, residual), (_, layer, dtype, activation, *_) in zip(inputs, calls, strict=True):
+            FusedLayer._product(fused_layer, x, layer, dtype, activation, residual)
         return time.perf_counter() - start
 
 

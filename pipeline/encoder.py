@@ -144,7 +144,11 @@ class Encoder:
         the weights in that dtype (int8, packed or cast) and, if asked, the compiled model."""
         cfg = self.cfg
         self.dtype, self.compiled = "fp32", False  # the dtype check runs the eager model
-        runner = "fused" if self.fused else self.model.config._attn_implementation
+        if self.fused:
+            from pipeline.fused_bert import variant
+            runner = variant()
+        else:
+            runner = self.model.config._attn_implementation
         model_key = f"{self.files_hash}-{runner}-{self.fp32_kernel}"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)
         inner = int(getattr(self.model.config, "intermediate_size", 4 * self.hidden_size))

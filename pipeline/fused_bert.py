@@ -8,7 +8,7 @@ VM these took 47% of a bf16 forward over PyPI summaries while its products ran a
 matrix peak. ``FusedBert`` runs the same arithmetic as:
 
 * one [hidden, 3 x hidden] product for query, key and value (the 1/sqrt(head) scale folded into
-  the query weights once), one cast of the residual stream per product;
+  the query weights once), one cast of an fp32 residual stream per product;
 * GELU in the product's epilogue (oneDNN's fused ``linear_pointwise``; fp32 through oneDNN
   where the CPU probe timed it at least as fast as MKL (``pipeline.onednn.FUSED_MIN_GAIN``),
   else ``F.linear`` then ``F.gelu``);
@@ -21,9 +21,10 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
   ``SCORE_BLOCK_BYTES`` (cache-sized), the softmax at a width and dtype where torch's kernel
   is fast.
 
-The residual stream, LayerNorms and returned states stay fp32, as under autocast. The weights
-are the model's own ``BertModel`` state dict (only query/key/value are concatenated; packed
-for oneDNN once the encoder fixed the dtype, ``FusedBert.pack``), read by
+The residual stream (but see ``FusedBert.residual_dtype``: bf16 where AMX runs, its adds then in
+the products' epilogues), LayerNorms and returned states stay fp32, as under autocast. The
+weights are the model's own ``BertModel`` state dict (only query/key/value are concatenated;
+packed for oneDNN once the encoder fixed the dtype, ``FusedBert.pack``), read by
 ``pipeline.models.loader.read_bert_weights`` straight from ``model.safetensors`` where it can
 (else from the transformers model), so the model hash and the vectors' set are unchanged: fp32
 states match transformers' within float rounding (tested), bf16 ones pass the same cosine >=
@@ -155,10 +156,7 @@ class FusedLayer(torch.nn.Module):
         qkv = self._linear(x, self.qkv, dtype)
         q, k, v = qkv.view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         context = attend(q, k, v, bias)
-        # fp32 residual + a bf16 product: torch widens the product in a pass of its own first
-        # (1.06 ms against 0.70 for fp32 + fp32 over [32, 256, 384] on an AMX Xeon VM); no CPU
-        # kernel of torch 2.13 writes a bf16 product in fp32 (see bench/RESULTS.md)
-        x = self.norm1(x + self._linear(context, self.out_proj, dtype))
+        x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x))
         return self.norm2(self._feed_forward(x, dtype))
 
     def _feed_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -166,7 +164,7 @@ class FusedLayer(torch.nn.Module):
         if self.ffn is not None:
             return self.ffn(x)
         inner = self._linear(x, self.up, dtype, activation=True)
-        return x + self._linear(inner, self.down, dtype)
+        return self._linear(inner, self.down, dtype, residual=x)
 
     def to_int8(self) -> None:
         """Query/key/value, the attention output and the FFN (``pipeline.int8_ffn``, settled
@@ -190,13 +188,35 @@ class FusedLayer(torch.nn.Module):
                 linear.to(dtype)
 
     def _linear(self, x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype,
-                activation: bool = False) -> torch.Tensor:
-        """``layer(x)`` in ``dtype``, GELU after where ``activation`` (an ``Int8Linear`` or a
-        ``PackedLinear`` casts ``x`` and applies its GELU itself)."""
-        if isinstance(layer, (Int8Linear, PackedLinear)):
+                activation: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``layer(x)`` in ``dtype``, GELU after where ``activation``, ``+ residual`` where
+        given: in the product's epilogue where the residual has the product's dtype and oneDNN
+        runs it, else as a pass of its own (an fp32 residual + a bf16 product: torch widens
+        the product in a pass of its own first, 1.06 ms against 0.70 for fp32 + fp32 over [32,
+        256, 384] on an AMX Xeon VM; no CPU kernel of torch 2.13 writes a bf16 product in
+        fp32, see bench/RESULTS.md)."""
+        in_epilogue = residual is not None and residual.dtype == dtype and self._onednn(layer,
+                                                                                      dtype)
+        out = self._product(x, layer, dtype, activation, residual if in_epilogue else None)
+        return out if residual is None or in_epilogue else residual + out
+
+    def _onednn(self, layer: torch.nn.Module, dtype: torch.dtype) -> bool:
+        """Whether ``_product`` runs ``layer`` through oneDNN's (non-int8) product."""
+        return isinstance(layer, PackedLinear) or (
+            not isinstance(layer, Int8Linear) and (dtype != torch.float32 or self.onednn_fp32))
+
+    def _product(self, x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype,
+                 activation: bool, residual: torch.Tensor | None) -> torch.Tensor:
+        """``layer(x)`` (+ ``residual`` in oneDNN's epilogue) in ``dtype`` (an ``Int8Linear``
+        or a ``PackedLinear`` casts ``x`` and applies its GELU itself)."""
+        if isinstance(layer, PackedLinear):
+            return layer(x, residual)
+        if isinstance(layer, Int8Linear):
             return layer(x)
         x, weight, bias = x.to(dtype), layer.weight.to(dtype), layer.bias.to(dtype)  # no-ops
-        if dtype != torch.float32 or self.onednn_fp32:
+        if residual is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+        if self._onednn(layer, dtype):
             attr, algorithm = ("gelu", self.gelu) if activation else ("none", "")
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
         out = F.linear(x, weight, bias)
@@ -213,6 +233,7 @@ class FusedBert(torch.nn.Module):
         super().__init__()
         self.config = config
         self.dtype: torch.dtype | None = None  # fixed by ``pack``: else autocast's, or fp32
+        self.int8 = False  # ``to_int8``
         self.embeddings = Embeddings(config, state)
         self.layers = torch.nn.ModuleList(
             FusedLayer(config, _under(state, f"encoder.layer.{i}."), onednn_fp32)
@@ -238,7 +259,7 @@ class FusedBert(torch.nn.Module):
         also finds the feed-forward channels kept apart in fp32 (``pipeline.int8_ffn``)."""
         for layer in self.layers:
             layer.to_int8()
-        self.dtype = torch.bfloat16
+        self.dtype, self.int8 = torch.bfloat16, True
         ranges = calibrate(self, calibration)
         for layer in self.layers:
             layer.ffn.settle(ranges)
@@ -255,13 +276,26 @@ class FusedBert(torch.nn.Module):
         else:
             dtype = torch.float32
         with torch.autocast("cpu", enabled=False):
-            x = self.embeddings(input_ids, token_type_ids).float()
+            x = self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype))
             bias = attention_bias(attention_mask, dtype)
             states = [x]
             for layer in self.layers:
                 x = layer(x, bias, dtype)
                 states.append(x)
-        return FusedOutput(x, tuple(states) if output_hidden_states else None)
+        every = tuple(state.float() for state in states) if output_hidden_states else None
+        return FusedOutput(x.float(), every)
+
+    def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The residual stream's dtype in a forward whose products run in ``dtype``: fp32, as
+        under autocast; but bf16 where AMX runs (``amx_here``) and the products are bf16, not
+        int8. There the products are fast enough that the fp32 stream's passes (a cast before
+        each product, a widening before each add) cost more than they buy: with the stream in
+        bf16 its adds run in the products' epilogues (``FusedLayer._linear``) and the casts
+        are gone. MiniLM, bf16, on a 2-core AMX Xeon VM: 300 long texts 2.07 -> 1.78 s, 2,000
+        summaries 1.32 -> 1.21 s; min cosine to fp32 0.99996 -> 0.99995 and -> 0.99993. On an
+        AVX512-BF16 EPYC VM (no AMX) it was no faster, so the stream stays fp32 there."""
+        bf16 = dtype == torch.bfloat16 and not self.int8 and amx_here()
+        return torch.bfloat16 if bf16 else torch.float32
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
@@ -332,6 +366,12 @@ def attention_kernel(width: int, dtype: torch.dtype) -> Literal["sdpa", "graph",
     if graph_attention.runs(width):
         return "graph"
     return "sdpa" if dtype == torch.float32 else "blocked"
+
+
+def variant() -> str:
+    """The fused forward's name in the caches of measurements made with it (the dtype check):
+    where AMX runs its arithmetic differs (``FusedBert.residual_dtype``)."""
+    return "fused-amx" if amx_here() else "fused"
 
 
 @cache

@@ -75,7 +75,7 @@ def test_bf16_under_autocast_stays_close_to_the_models_own_bf16() -> None:
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = model(input_ids=ids, attention_mask=mask).last_hidden_state
         got = fused(ids, mask).last_hidden_state
-    assert got.dtype == torch.float32  # the residual stream stays fp32, as under autocast
+    assert got.dtype == torch.float32  # the states come back fp32, as under autocast
     cosine = F.cosine_similarity(real(got, mask), real(want.float(), mask), dim=-1)
     assert float(cosine.min()) > 0.999
 
@@ -161,6 +161,40 @@ def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
             cosine = F.cosine_similarity(real(got, mask), real(want, mask), dim=-1)
             assert cosine.min() > 0.999, width
     assert calls == [150] * 3
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_products(
+        monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
+    """Where AMX runs, a bf16 forward carries its residual stream in bf16 and each add runs in
+    the epilogue of the product it follows (two a layer); elsewhere, and in fp32, the stream
+    stays fp32. Either way every layer's states come back fp32, close to transformers'."""
+    monkeypatch.setattr(fused_bert, "amx_here", lambda: amx)
+    model = tiny()
+    ids, mask = batch(rows=8, width=40)
+    fused = FusedBert.from_model(model, onednn_fp32=True)
+    assert fused.residual_dtype(torch.float32) == torch.float32
+    assert fused.residual_dtype(torch.bfloat16) == (torch.bfloat16 if amx else torch.float32)
+    fused.pack(torch.bfloat16)
+    added: list[torch.dtype] = []
+    forward = PackedLinear.forward
+
+    def spy(self: PackedLinear, x: torch.Tensor, residual: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        if residual is not None:
+            added.append(residual.dtype)
+        return forward(self, x, residual)
+
+    monkeypatch.setattr(PackedLinear, "forward", spy)
+    with torch.inference_mode():
+        got = fused(ids, mask, output_hidden_states=True).hidden_states
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert added == ([torch.bfloat16] * 2 * len(fused.layers) if amx else [])
+    for ours, theirs in zip(got, want.hidden_states, strict=True):
+        assert ours.dtype == torch.float32
+        cosine = F.cosine_similarity(real(ours, mask), real(theirs.float(), mask), dim=-1)
+        assert float(cosine.min()) > 0.999
 
 
 def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None:

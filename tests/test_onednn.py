@@ -93,6 +93,13 @@ def test_packed_linears_compute_the_linears_products(dtype: torch.dtype) -> None
         gelu = PackedLinear(plain[0], dtype, gelu="tanh")(x)
         torch.testing.assert_close(gelu, F.gelu(want[0], approximate="tanh"), atol=1e-2,
                                    rtol=1e-2)
+        residual = torch.randn(3, 5, 64).to(dtype)
+        with_residual = torch.ops.mkldnn._linear_pointwise.binary(x, residual, plain[0].weight,
+                                                                   plain[0].bias, "add")
+        assert torch.equal(packed[0](x, residual), with_residual)  # added in the epilogue
+        torch.testing.assert_close(with_residual, want[0] + residual, atol=2e-2, rtol=2e-2)
+        with pytest.raises(ValueError, match="residual"):
+            PackedLinear(plain[0], dtype, gelu="none")(x, residual)
 
 
 def test_a_model_that_keeps_its_own_forward_is_packed_once_its_dtype_is_fixed(
