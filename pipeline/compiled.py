@@ -8,8 +8,9 @@ are cached on disk under ``EMBEDPIPE_CACHE``) for 1.06-1.22x faster batches ther
 fused forward of the time; since the fused forward packs its weights once, the compiled model
 is no faster than it there (fp32 0.98-1.02x, bf16 0.86-0.90x): it is for models the fused
 forward does not run, and GPUs. On a 2-core AMX Xeon VM, where the products are cheap and the
-element-wise passes are not, it beat the fused forward in bf16 over long texts (1.19x; 1.01x
-over summaries) after a 9.4 s compile. See ``bench/compiled.py``.
+element-wise passes are not, it had beaten the fused forward in bf16 over long texts (1.19x)
+until that forward's residual stream went bf16 there (0.88-0.97x since; fp32 1.01-1.16x). See
+``bench/compiled.py``.
 Vectors match the eager model's within float rounding (cosine >= 0.99999 in fp32): the same set.
 
 Shapes are dynamic: batches of any rows and tokens run one compiled graph, except a batch of
