@@ -191,10 +191,10 @@ class FusedLayer(torch.nn.Module):
                 activation: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``layer(x)`` in ``dtype``, GELU after where ``activation``, ``+ residual`` where
         given: in the product's epilogue where the residual has the product's dtype and oneDNN
-        runs it, else as a pass of its own (an fp32 residual + a bf16 product: torch widens
-        the product in a pass of its own first, 1.06 ms against 0.70 for fp32 + fp32 over [32,
-        256, 384] on an AMX Xeon VM; no CPU kernel of torch 2.13 writes a bf16 product in
-        fp32, see bench/RESULTS.md)."""
+        runs it (in fp32 bit for bit the add after it), else as a pass of its own (an fp32
+        residual + a bf16 product: torch widens the product in a pass of its own first, 1.06
+        ms against 0.70 for fp32 + fp32 over [32, 256, 384] on an AMX Xeon VM; no CPU kernel
+        of torch 2.13 writes a bf16 product in fp32, see bench/RESULTS.md)."""
         in_epilogue = residual is not None and residual.dtype == dtype and self._onednn(layer,
                                                                                       dtype)
         out = self._product(x, layer, dtype, activation, residual if in_epilogue else None)
