@@ -278,12 +278,15 @@ class FusedBert(torch.nn.Module):
         with torch.autocast("cpu", enabled=False):
             x = self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype))
             bias = attention_bias(attention_mask, dtype)
-            states = [x]
+            states = [x] if output_hidden_states else None  # else each freed once read
             for layer in self.layers:
                 x = layer(x, bias, dtype)
-                states.append(x)
-        every = tuple(state.float() for state in states) if output_hidden_states else None
-        return FusedOutput(x.float(), every)
+                if states is not None:
+                    states.append(x)
+        if states is None:
+            return FusedOutput(x.float())
+        every = tuple(state.float() for state in states)
+        return FusedOutput(every[-1], every)
 
     def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The residual stream's dtype in a forward whose products run in ``dtype``: fp32, as
@@ -378,8 +381,7 @@ def variant() -> str:
 def amx_here() -> bool:
     """Whether AMX runs here (``hardware.amx_runs``) on a CPU where ATen runs AVX-512
     kernels: where ``attention_kernel`` takes SDPA's kernel."""
-    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and hardware.amx_runs())
+    return hardware.aten_avx512() and hardware.amx_runs()
 
 
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype, keys: int | None = None

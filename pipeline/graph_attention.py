@@ -41,6 +41,8 @@ from functools import cache, lru_cache
 import torch
 import torch.nn.functional as F
 
+from pipeline import hardware
+
 MIN_KEYS = 96  # narrower attention rows stay on torch's kernels (see above)
 KEY_STEP = 32  # keys padded up to a multiple of this: fewer shapes, each compiled once
 ROW_BLOCK = 8  # rows per call
@@ -64,7 +66,7 @@ def runs(width: int) -> bool:
 
 @cache
 def _faster_here() -> bool:
-    return available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return available() and hardware.aten_avx512()
 
 
 def key_width(width: int) -> int:

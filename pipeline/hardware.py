@@ -147,6 +147,14 @@ def amx_runs() -> bool:
     return _advertises_amx() and not cpu_profile()["amx_traps"]
 
 
+def aten_avx512() -> bool:
+    """Whether ATen runs its AVX-512 kernels here (not an AVX2 CPU, nor capped to AVX2 by
+    ``ATEN_CPU_CAPABILITY``): where the fused forward's attention kernels were measured."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def _advertises_amx() -> bool:
     try:
         return "amx_bf16" in Path("/proc/cpuinfo").read_text()

@@ -167,8 +167,9 @@ def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
 def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_products(
         monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
     """Where AMX runs, a bf16 forward carries its residual stream in bf16 and each add runs in
-    the epilogue of the product it follows (two a layer); elsewhere, and in fp32, the stream
-    stays fp32. Either way every layer's states come back fp32, close to transformers'."""
+    the epilogue of the product it follows (two a layer, each forward); elsewhere, and in
+    fp32, the stream stays fp32. Either way every layer's states come back fp32, close to
+    transformers', and are kept only where asked for."""
     monkeypatch.setattr(fused_bert, "amx_here", lambda: amx)
     model = tiny()
     ids, mask = batch(rows=8, width=40)
@@ -188,9 +189,11 @@ def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_pr
     monkeypatch.setattr(PackedLinear, "forward", spy)
     with torch.inference_mode():
         got = fused(ids, mask, output_hidden_states=True).hidden_states
+        last = fused(ids, mask)  # no layer's states kept
         with torch.autocast("cpu", dtype=torch.bfloat16):
             want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    assert added == ([torch.bfloat16] * 2 * len(fused.layers) if amx else [])
+    assert added == ([torch.bfloat16] * 4 * len(fused.layers) if amx else [])
+    assert last.hidden_states is None and torch.equal(last.last_hidden_state, got[-1])
     for ours, theirs in zip(got, want.hidden_states, strict=True):
         assert ours.dtype == torch.float32
         cosine = F.cosine_similarity(real(ours, mask), real(theirs.float(), mask), dim=-1)
