@@ -6,6 +6,8 @@ small and the work per batch roughly constant, whatever the mix of short and lon
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 SLICE_ROWS = 4096  # texts per encode call, at least, where the caller tokenizes ahead
@@ -19,7 +21,8 @@ def slice_rows(max_batch_rows: int) -> int:
 
 
 def token_budget_batches(
-    lengths: np.ndarray, token_budget: int, max_rows: int, min_fill: float = 0.0
+    lengths: np.ndarray, token_budget: int, max_rows: int, min_fill: float = 0.0,
+    shape: Callable[[int], int] | None = None,
 ) -> list[np.ndarray]:
     """Indices of ``lengths`` cut into batches, longest first.
 
@@ -27,7 +30,10 @@ def token_budget_batches(
     (``rows * longest``), except that a single row longer than the budget forms its own batch.
     With ``min_fill`` > 0 a batch also ends before its real tokens fall below ``min_fill`` of
     its padded tokens: on a CPU a padded token costs as much as a real one, while one more
-    forward call costs about as much as a few dozen tokens.
+    forward call costs about as much as a few dozen tokens. With ``shape`` (padded tokens ->
+    the tokens the forward computes, ``pipeline.onednn.product_rows``), a batch then takes
+    more rows, past ``max_rows``, while its padded tokens stay within ``shape``'s of its own
+    (and the budget): what the forward computes anyway, now over texts.
     """
     if token_budget <= 0 or max_rows <= 0:
         raise ValueError("token_budget and max_rows must be positive")
@@ -39,6 +45,8 @@ def token_budget_batches(
     while start < len(order):
         longest = int(ordered[start])
         rows = max(1, min(max_rows, token_budget // longest))
+        if shape is not None:
+            rows = max(rows, min(shape(rows * longest), token_budget) // longest)
         if min_fill > 0 and rows > 1:
             # rows sorted longest first: the running mean only falls as the batch grows
             head = ordered[start : start + rows]

@@ -178,7 +178,7 @@ class Embedder:
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         batches = token_budget_batches(
             pieces.lengths + lead[pieces.row] + specials, self.encoder.token_budget,
-            self.encoder.max_batch_rows, self.encoder.min_fill,
+            self.encoder.max_batch_rows, self.encoder.min_fill, self.encoder.batch_shape,
         )
         for idx in batches:
             rows = pieces.row[idx]

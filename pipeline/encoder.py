@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,7 @@ from pipeline.models.hashing import quantized_hash
 from pipeline.models.head import ModelParts
 from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
 from pipeline.models.similarity import Similarity
-from pipeline.onednn import pack_linears, packs
+from pipeline.onednn import pack_linears, packs, product_rows
 from pipeline.precision import CALIBRATION_TEXTS, DtypeCheck, choose_device, choose_dtype
 from pipeline.quantize import INT8, OnnxInt8Model, check_int8, check_onnxruntime
 from pipeline.token_rows import TokenRows, pad_rows
@@ -167,6 +168,10 @@ class Encoder:
             from pipeline.compiled import compile_model
 
             self.model = compile_model(self.model)
+        # the fused forward computes a batch over product_rows(its padded tokens): batches
+        # take the texts that fit there, past the default row limit (a user's still holds)
+        shaped = getattr(self.model, "shaped", False) and cfg.max_batch_rows is None
+        self.batch_shape: Callable[[int], int] | None = product_rows if shaped else None
 
     def _int8_kernel(self, config: recorded.ModelConfig) -> str | None:
         """Where ``dtype int8`` runs (None for any other dtype): the job's ``int8_kernel``, or

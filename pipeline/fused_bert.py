@@ -9,6 +9,11 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
 
 * one [hidden, 3 x hidden] product for query, key and value (the 1/sqrt(head) scale folded into
   the query weights once), one cast of an fp32 residual stream per product;
+* the batch's tokens flat, then zero rows up to ``pipeline.onednn.product_rows`` of them once
+  the products run through oneDNN (``FusedBert.shaped``: packed, or int8 once calibrated), so
+  that oneDNN compiles a few kernels a run, not four a batch (3,000 PyPI summaries, MiniLM
+  bf16 on a 2-core AMX Xeon VM: 1.44-1.59 s -> 1.12-1.18 s; the planner fills those rows with
+  texts, ``pipeline.batching.token_budget_batches``);
 * GELU in the product's epilogue (oneDNN's fused ``linear_pointwise``; fp32 through oneDNN
   where the CPU probe timed it at least as fast as MKL (``pipeline.onednn.FUSED_MIN_GAIN``),
   else ``F.linear`` then ``F.gelu``);
@@ -50,7 +55,7 @@ import torch.nn.functional as F
 from pipeline import graph_attention, hardware
 from pipeline.int8_ffn import Int8FeedForward
 from pipeline.int8_linear import Int8Linear, calibrate
-from pipeline.onednn import PackedLinear, packs
+from pipeline.onednn import PackedLinear, packs, product_rows
 
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
@@ -151,11 +156,16 @@ class FusedLayer(torch.nn.Module):
         self.heads, self.gelu, self.onednn_fp32 = heads, GELU[config.hidden_act], onednn_fp32
         self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        rows, width, _ = x.shape
+    def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The layer over ``x``: [tokens, hidden], the batch's ``shape`` (rows, width) flat, then
+        rows of zeros up to its product rows (``FusedBert.forward``), which stay finite."""
+        rows, width = shape
         qkv = self._linear(x, self.qkv, dtype)
-        q, k, v = qkv.view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        context = attend(q, k, v, bias)
+        q, k, v = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        context = qkv.new_empty((len(x), qkv.shape[1] // 3))
+        context[rows * width:] = 0
+        attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
         x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x))
         return self.norm2(self._feed_forward(x, dtype))
 
@@ -234,6 +244,7 @@ class FusedBert(torch.nn.Module):
         self.config = config
         self.dtype: torch.dtype | None = None  # fixed by ``pack``: else autocast's, or fp32
         self.int8 = False  # ``to_int8``
+        self.shaped = False  # products over ``product_rows`` rows: where oneDNN runs them all
         self.embeddings = Embeddings(config, state)
         self.layers = torch.nn.ModuleList(
             FusedLayer(config, _under(state, f"encoder.layer.{i}."), onednn_fp32)
@@ -249,7 +260,7 @@ class FusedBert(torch.nn.Module):
         (``FusedLayer.pack``): once the encoder chose its dtype."""
         for layer in self.layers:
             layer.pack(dtype)
-        self.dtype = dtype
+        self.dtype, self.shaped = dtype, packs(dtype, self.layers[0].onednn_fp32)
 
     def to_int8(self, calibration: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Run in int8 from now on: each layer's products through oneDNN's int8 inner
@@ -263,6 +274,7 @@ class FusedBert(torch.nn.Module):
         ranges = calibrate(self, calibration)
         for layer in self.layers:
             layer.ffn.settle(ranges)
+        self.shaped = True  # after the calibration, which the zero rows would widen
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
@@ -275,17 +287,21 @@ class FusedBert(torch.nn.Module):
             dtype = torch.get_autocast_dtype("cpu")
         else:
             dtype = torch.float32
+        shape, tokens = input_ids.shape, input_ids.numel()
         with torch.autocast("cpu", enabled=False):
             x = self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype))
+            x = x.view(tokens, -1)
+            if self.shaped and product_rows(tokens) > tokens:
+                x = F.pad(x, (0, 0, 0, product_rows(tokens) - tokens))
             bias = attention_bias(attention_mask, dtype)
             states = [x] if output_hidden_states else None  # else each freed once read
             for layer in self.layers:
-                x = layer(x, bias, dtype)
+                x = layer(x, shape, bias, dtype)
                 if states is not None:
                     states.append(x)
         if states is None:
-            return FusedOutput(x.float())
-        every = tuple(state.float() for state in states)
+            return FusedOutput(x[:tokens].view(*shape, -1).float())
+        every = tuple(state[:tokens].view(*shape, -1).float() for state in states)
         return FusedOutput(every[-1], every)
 
     def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -301,25 +317,30 @@ class FusedBert(torch.nn.Module):
         return torch.bfloat16 if bf16 else torch.float32
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
-           ) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
     from ``attention_bias``: [rows, 1, 1, ``key_width(tokens, dtype)``] in q's dtype, or
-    None) as [rows, tokens, heads x head], through the kernel ``attention_kernel`` picks."""
+    None) as [rows, tokens, heads x head], written into ``out`` where given (contiguous rows,
+    a view of a longer buffer), through the kernel ``attention_kernel`` picks."""
     rows, heads, width, dim = q.shape
+    if out is None:
+        out = q.new_empty((rows, width, heads * dim))
     kernel = attention_kernel(width, q.dtype)
     if kernel == "graph":
-        return graph_attention.graph_attention(q, k, v, bias)
-    if kernel == "sdpa":
+        graph_attention.graph_attention(q, k, v, bias, out)
+    elif kernel == "sdpa":
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
-        return context.transpose(1, 2).reshape(rows, width, heads * dim)
-    return _blocked_attention(q, k, v, bias)
+        out.view(rows, width, heads, dim).copy_(context.transpose(1, 2))
+    else:
+        _blocked_attention(q, k, v, bias, out.view(rows, width, heads, dim))
+    return out
 
 
 def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+                       bias: torch.Tensor | None, context: torch.Tensor) -> None:
     """``attend`` as two batched products around a softmax, in blocks of rows whose scores
-    fit ``SCORE_BLOCK_BYTES``.
+    fit ``SCORE_BLOCK_BYTES``, written into ``context`` ([rows, tokens, heads, head]).
 
     The scores come out of the product rounded to q's dtype; the softmax then runs where
     torch's CPU kernel is fast for the row's width (it computes in fp32 inside either way):
@@ -331,7 +352,6 @@ def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (k, v))
     upcast = q.dtype != torch.float32 and keys < BF16_SOFTMAX_KEYS
     block = max(1, SCORE_BLOCK_BYTES // (q.element_size() * heads * width * keys))
-    context = torch.empty((rows, width, heads, dim), dtype=q.dtype)
     for start in range(0, rows, block):
         part, n = slice(start, start + block), min(block, rows - start)
         qs = q[part].reshape(n * heads, width, dim)
@@ -343,7 +363,6 @@ def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             scores = torch.baddbmm(full, qs, ks.transpose(1, 2))
         weights = scores.float().softmax(-1).to(q.dtype) if upcast else scores.softmax(-1)
         context[part] = torch.bmm(weights, vs).view(n, heads, width, dim).transpose(1, 2)
-    return context.view(rows, width, heads * dim)
 
 
 def attention_kernel(width: int, dtype: torch.dtype) -> Literal["sdpa", "graph", "blocked"]:

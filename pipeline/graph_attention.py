@@ -93,12 +93,12 @@ def _traced(signature: tuple[tuple[torch.dtype, torch.Size, tuple[int, ...]], ..
 
 
 def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+                    bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled) as [rows,
-    tokens, heads x head], through oneDNN Graph's fused kernel. ``bias``: [rows, 1, 1,
-    ``key_width(tokens)``] in q's dtype, 0 or the dtype's most negative value (its padded keys
-    masked; ``pipeline.fused_bert.attention_bias`` builds it once a forward), or None where
-    no key is masked."""
+    tokens, heads x head], written into ``out`` where given, through oneDNN Graph's fused
+    kernel. ``bias``: [rows, 1, 1, ``key_width(tokens)``] in q's dtype, 0 or the dtype's most
+    negative value (its padded keys masked; ``pipeline.fused_bert.attention_bias`` builds it
+    once a forward), or None where no key is masked."""
     rows, heads, width, dim = q.shape
     keys = key_width(width)
     if bias is None:
@@ -108,15 +108,17 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"kernel takes {keys} (key_width)")
     if keys > width:
         q, k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (q, k, v))
-    context = torch.empty((rows, width, heads, dim), dtype=q.dtype)
+    if out is None:
+        out = q.new_empty((rows, width, heads * dim))
+    context = out.view(rows, width, heads, dim)
     enabled = torch.jit.onednn_fusion_enabled()
     torch.jit.enable_onednn_fusion(True)
     try:
         for start in range(0, rows, ROW_BLOCK):
             part = slice(start, start + ROW_BLOCK)
             inputs = (q[part], k[part], v[part], bias[part])
-            out = _traced(tuple((t.dtype, t.shape, t.stride()) for t in inputs))(*inputs)
-            context[part] = out[:, :, :width].transpose(1, 2)
+            block = _traced(tuple((t.dtype, t.shape, t.stride()) for t in inputs))(*inputs)
+            context[part] = block[:, :, :width].transpose(1, 2)
     finally:
         torch.jit.enable_onednn_fusion(enabled)
-    return context.view(rows, width, heads * dim)
+    return out

@@ -100,6 +100,39 @@ def test_packed_weights_give_the_same_states_bit_for_bit(dtype: torch.dtype,
     assert kinds == ({PackedLinear} if packs(dtype, onednn_fp32) else {torch.nn.Linear})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_products_take_a_few_row_counts_and_give_the_batchs_own_states(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Packed for oneDNN, each product runs over ``product_rows`` of the batch's tokens (zero
+    rows after them, which stay finite), so a run compiles a few shapes; the states are the
+    batch's own, as the products over its tokens alone give them."""
+    fused = FusedBert.from_model(tiny(), onednn_fp32=True)
+    fused.pack(dtype)
+    assert fused.shaped
+    seen: list[int] = []
+    forward = PackedLinear.forward
+
+    def spy(self: PackedLinear, x: torch.Tensor, residual: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        seen.append(len(x))
+        assert bool(torch.isfinite(x).all())
+        return forward(self, x, residual)
+
+    monkeypatch.setattr(PackedLinear, "forward", spy)
+    for rows, width in [(5, 23), (8, 40), (1, 3)]:
+        ids, mask = batch(rows, width)
+        with torch.inference_mode():
+            got = fused(ids, mask, output_hidden_states=True).hidden_states
+            fused.shaped = False
+            want = fused(ids, mask, output_hidden_states=True).hidden_states
+            fused.shaped = True
+        assert all(state.shape == (rows, width, 48) for state in got)
+        for ours, theirs in zip(got, want, strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    shaped = [128] * 12 + [115] * 12 + [512] * 12 + [320] * 12 + [16] * 12 + [3] * 12
+    assert seen == shaped  # 4 products x 3 layers a forward
+
+
 @pytest.mark.parametrize("width", [5, 19, 70])  # keys appended (MIN_KEYS); fp32/bf16 softmax
 def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
     """fp32 attention is SDPA's; bf16 attention, in blocks of rows (no AMX), is SDPA's over the

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.batching import padding_efficiency, token_budget_batches
+from pipeline.onednn import product_rows
 from pipeline.token_rows import TokenRows, pad_rows
 from pipeline.windows import truncate, window_starts, windows
 
@@ -65,6 +66,50 @@ def test_batches_hold_every_index_once_within_budget(
     assert longest == sorted(longest, reverse=True), "batches go from long to short"
     if lengths:
         assert 0 < padding_efficiency(arr, batches) <= 1.0
+
+
+@given(st.integers(0, 1 << 20))
+def test_product_rows_cover_the_rows_from_a_short_ladder(rows: int) -> None:
+    padded = product_rows(rows)
+    assert padded >= rows and padded == product_rows(padded), "a size of the ladder"
+    assert padded <= max(16, 2 * rows - 1), "a power of two up to 1,024"
+    if rows > 1024:
+        assert padded - rows < max(1024, rows // 4), "then steps of 1,024 or an 8th octave"
+
+
+def test_product_rows_take_fourteen_sizes_up_to_8192() -> None:
+    sizes = {product_rows(rows) for rows in range(8193)}
+    assert len(sizes) == 14 and max(sizes) == 8192
+    assert product_rows(10) == 16 and product_rows(6145) == 7168
+
+
+@given(
+    st.lists(st.integers(1, 300), min_size=0, max_size=300),
+    st.sampled_from([2048, 4096, 8192, 5000]),
+    st.integers(1, 300),
+    st.sampled_from([0.0, 0.9]),
+)
+def test_shaped_batches_fill_their_product_rows(
+    lengths: list[int], budget: int, max_rows: int, min_fill: float
+) -> None:
+    """With a shape, a batch takes rows past max_rows only while its padded tokens stay within
+    the product rows its first max_rows would take anyway, and the budget."""
+    arr = np.array(lengths, dtype=np.int64)
+    batches = token_budget_batches(arr, budget, max_rows, min_fill, shape=product_rows)
+    flat = np.concatenate(batches) if batches else np.array([], dtype=np.int64)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    for batch in batches:
+        longest = int(arr[batch].max())
+        padded = len(batch) * longest
+        assert len(batch) == 1 or padded <= budget
+        if len(batch) > max_rows:
+            assert padded <= product_rows(min(max_rows, budget // longest) * longest)
+        if min_fill and len(batch) > 1:
+            assert arr[batch].mean() >= min_fill * longest
+    assert token_budget_batches(arr, budget, max_rows, min_fill, shape=lambda n: n) == [] or all(
+        np.array_equal(a, b) for a, b in zip(
+            token_budget_batches(arr, budget, max_rows, min_fill, shape=lambda n: n),
+            token_budget_batches(arr, budget, max_rows, min_fill), strict=True))
 
 
 def test_sorting_by_length_wastes_little_padding() -> None:
