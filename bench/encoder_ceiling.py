@@ -126,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[embedder.info.dtype]
     peak = on_torch_thread(matmul_peak, dtype, config.hidden_size, config.intermediate_size)
     texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder)
-    embedder.encode(texts["short"][:64])  # warm
+    embedder.encode((texts["short"] or texts["long"])[:64])  # warm
     report = {"cpu_flags": cpu_flags(), "dtype": embedder.info.dtype,
               "matmul_peak_gflops": round(peak, 1)}
     for name, sample in texts.items():
-        report[name] = measure(embedder, sample, args.rounds, peak)
+        if sample:  # --short 0 or --long 0: that set is left out
+            report[name] = measure(embedder, sample, args.rounds, peak)
     print(json.dumps(report, indent=1))
     return 0
 
