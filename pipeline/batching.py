@@ -32,8 +32,8 @@ def token_budget_batches(
     its padded tokens: on a CPU a padded token costs as much as a real one, while one more
     forward call costs about as much as a few dozen tokens. With ``shape`` (padded tokens ->
     the tokens the forward computes, ``pipeline.onednn.product_rows``), a batch then takes
-    more rows, past ``max_rows``, while its padded tokens stay within ``shape``'s of its own
-    (and the budget): what the forward computes anyway, now over texts.
+    more rows, past ``max_rows``, up to the tokens ``shape`` gives its first rows (within the
+    budget): rows the forward computes anyway, now over texts instead of zeros.
     """
     if token_budget <= 0 or max_rows <= 0:
         raise ValueError("token_budget and max_rows must be positive")

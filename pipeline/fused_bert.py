@@ -288,11 +288,12 @@ class FusedBert(torch.nn.Module):
         else:
             dtype = torch.float32
         shape, tokens = input_ids.shape, input_ids.numel()
+        rows = product_rows(tokens) if self.shaped else tokens
         with torch.autocast("cpu", enabled=False):
             x = self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype))
             x = x.view(tokens, -1)
-            if self.shaped and product_rows(tokens) > tokens:
-                x = F.pad(x, (0, 0, 0, product_rows(tokens) - tokens))
+            if rows > tokens:  # zero rows up to the products' shape
+                x = F.pad(x, (0, 0, 0, rows - tokens))
             bias = attention_bias(attention_mask, dtype)
             states = [x] if output_hidden_states else None  # else each freed once read
             for layer in self.layers:

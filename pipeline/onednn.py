@@ -29,7 +29,7 @@ import torch
 MIN_GAIN = 1.2  # oneDNN must beat MKL by this much to be used (else: bit-identical default)
 FUSED_MIN_GAIN = 1.0  # the fused forward's products: oneDNN where it is as fast as MKL
 ROW_STEP = 1024  # ``product_rows``: past this many rows, a multiple of it (or of an 8th octave)
-MIN_ROWS = 16
+MIN_ROWS = 16  # the smallest: a query's few tokens
 
 
 def product_rows(rows: int) -> int:
@@ -37,11 +37,11 @@ def product_rows(rows: int) -> int:
     from a short ladder, so that a run's products take a few shapes, each JIT-compiled once.
 
     oneDNN compiles a kernel for every shape it meets (4-7 ms for a [rows, 384] x [384, 1,536]
-    bf16 product on a 2-core AMX Xeon VM, against 2-3 ms to run it) and keeps 64 (a bounded
-    cache, ``pipeline.hardware.ONEDNN_CACHES``: each held ~1.7 MB there). A run's batches
-    take a new number of rows almost every batch (3,000 PyPI summaries: 20 batches, 20 shapes,
-    4 products each: 360 ms compiling against 650 running), and a long run's batch shapes
-    recur too far apart for a cache that small. The ladder: powers of two from ``MIN_ROWS`` up
+    bf16 product on a 2-core AMX Xeon VM, against 2-3 ms to run it) and keeps a bounded number
+    (``pipeline.hardware.ONEDNN_CACHES``; each held ~1.7 MB there). A run's batches take a
+    new number of rows almost every batch (3,000 PyPI summaries: 20 batches, 20 shapes, 4
+    products each: 360 ms compiling against 650 running), and a long run's batch shapes recur
+    too far apart for a bounded cache to keep them. The ladder: powers of two from ``MIN_ROWS`` up
     to ``ROW_STEP``, multiples of it up to 8 x ``ROW_STEP``, then 8 sizes an octave: 14 sizes
     up to 8,192."""
     if rows <= ROW_STEP:
