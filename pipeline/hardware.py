@@ -14,9 +14,9 @@ summaries through a tiny encoder in bf16 peaked at 1,278 MB where 20,000 rows pe
 MB; in library calls over the 200,000 rows, 1,389 MB with the default caches and 657 MB with
 both at 64, no slower (7.4 s vs 7.8 s). The fused forward's products now take a few row counts
 (``pipeline.onednn.product_rows``: 14 up to 8,192, four products each), which oneDNN's cache
-keeps at 128 entries beside the attention's batched products: MiniLM in bf16 over 50,000 PyPI
-summaries on a 2-core AMX Xeon VM compiled 8 kernels per 10,000 texts after the first
-10,000 (80 at 64 entries), ran 1.1x faster and peaked at the same 1,042 MB.
+keeps at 128 entries beside the attention's batched products. MiniLM in bf16 on a 2-core AMX
+Xeon VM, PyPI summaries 10,000 at a time: the second 10,000 compiled 8 product kernels (80
+with 64 entries); over 50,000, 1.1x faster than with 64 entries, peak RSS the same 1,042 MB.
 """
 
 from __future__ import annotations
