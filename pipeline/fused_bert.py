@@ -28,7 +28,7 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
 
 The residual stream (but see ``FusedBert.residual_dtype``: bf16 where AMX runs, its adds then in
 the products' epilogues), LayerNorms and returned states stay fp32, as under autocast. The
-weights are the model's own ``BertModel`` state dict (only query/key/value are concatenated;
+weights are the model's own state dict, under BERT's names (only query/key/value are concatenated;
 packed for oneDNN once the encoder fixed the dtype, ``FusedBert.pack``), read by
 ``pipeline.models.loader.read_bert_weights`` straight from ``model.safetensors`` where it can
 (else from the transformers model), so the model hash and the vectors' set are unchanged: fp32
@@ -36,6 +36,7 @@ states match transformers' within float rounding (tested), bf16 ones pass the sa
 0.9999 check against fp32.
 
 Used on a CPU for ``model_type`` bert / roberta / xlm-roberta with absolute positions and GELU,
+and for mpnet (its relative position bias added to the padding mask: ``pipeline.bert_family``),
 when no pooler needs attention weights (those run transformers' eager attention), and not with
 ``--compile`` (which takes the transformers model). ``dtype int8`` runs it too (``to_int8``)
 where oneDNN's int8 product and bf16 run natively here, else takes the transformers model to
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
-from pipeline import graph_attention, hardware
+from pipeline import bert_family, graph_attention, hardware
 from pipeline.int8_ffn import Int8FeedForward
 from pipeline.int8_linear import Int8Linear, calibrate
 from pipeline.onednn import PackedLinear, packs, product_rows
@@ -60,7 +61,6 @@ from pipeline.onednn import PackedLinear, packs, product_rows
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
 
-FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's algorithm
 SCORE_BLOCK_BYTES = 8 << 20  # attention scores per block of rows
 # torch's CPU softmax over the last dim, ns per element on an AVX512 VM: fp32 rows of < 16
@@ -68,7 +68,6 @@ SCORE_BLOCK_BYTES = 8 << 20  # attention scores per block of rows
 MIN_KEYS = 16  # narrower attention rows get masked keys appended
 BF16_SOFTMAX_KEYS = 64  # narrower bf16 rows take their softmax in fp32
 AMX_SDPA_MIN_KEYS = 32  # where AMX runs, bf16 rows this wide take SDPA (``attention_kernel``)
-EMBEDDINGS = ("word_embeddings", "position_embeddings", "token_type_embeddings")
 
 
 def fusable(config: ModelConfig, device: torch.device) -> bool:
@@ -76,31 +75,10 @@ def fusable(config: ModelConfig, device: torch.device) -> bool:
     (not for a model whose config names its own modeling code: that code decides)."""
     remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
     return (device.type == "cpu" and torch.backends.mkldnn.is_available() and not remote
-            and config.model_type in FUSABLE_TYPES and config.hidden_act in GELU
+            and config.model_type in bert_family.FUSABLE_TYPES and config.hidden_act in GELU
             and getattr(config, "position_embedding_type", "absolute") in (None, "absolute")
             and not getattr(config, "is_decoder", False)
             and not getattr(config, "add_cross_attention", False))
-
-
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The state-dict names ``FusedBert`` reads (a ``BertModel``'s, no prefix) and shapes."""
-    hidden, inner = int(config.hidden_size), int(config.intermediate_size)
-    shapes = {
-        "embeddings.word_embeddings.weight": (int(config.vocab_size), hidden),
-        "embeddings.position_embeddings.weight": (int(config.max_position_embeddings), hidden),
-        "embeddings.token_type_embeddings.weight": (int(config.type_vocab_size), hidden),
-        "embeddings.LayerNorm.weight": (hidden,),
-        "embeddings.LayerNorm.bias": (hidden,),
-    }
-    parts = {"attention.self.query": (hidden, hidden), "attention.self.key": (hidden, hidden),
-             "attention.self.value": (hidden, hidden), "attention.output.dense": (hidden, hidden),
-             "attention.output.LayerNorm": (hidden,), "intermediate.dense": (inner, hidden),
-             "output.dense": (hidden, inner), "output.LayerNorm": (hidden,)}
-    for i in range(int(config.num_hidden_layers)):
-        for part, shape in parts.items():
-            shapes[f"encoder.layer.{i}.{part}.weight"] = shape
-            shapes[f"encoder.layer.{i}.{part}.bias"] = shape[:1]
-    return shapes
 
 
 @dataclass(frozen=True)
@@ -112,18 +90,19 @@ class FusedOutput:
 
 
 class Embeddings(torch.nn.Module):
-    """BERT's and RoBERTa's input embeddings: word + token type + position, then LayerNorm.
-    RoBERTa numbers positions from ``pad_token_id + 1`` over real tokens (padding keeps
-    ``pad_token_id``), as transformers' ``create_position_ids_from_input_ids`` does."""
+    """The input embeddings: word + token type (where the model has them) + position, then
+    LayerNorm. Positions count from 0, or (RoBERTa, MPNet: ``bert_family.position_padding``)
+    from the padding index + 1 over real tokens, padding keeping the index, as transformers'
+    ``create_position_ids_from_input_ids`` does."""
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
         super().__init__()
-        for name in EMBEDDINGS:
-            weight = state[f"embeddings.{name}.weight"]
-            setattr(self, name, torch.nn.Embedding.from_pretrained(weight, freeze=True))
+        self.word_embeddings, self.position_embeddings, self.token_type_embeddings = (
+            None if f"embeddings.{name}.weight" not in state else
+            torch.nn.Embedding.from_pretrained(state[f"embeddings.{name}.weight"], freeze=True)
+            for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"))
         self.norm = _layer_norm(state, "embeddings.LayerNorm", config.layer_norm_eps)
-        roberta = config.model_type in ("roberta", "xlm-roberta")
-        self.padding_idx = int(config.pad_token_id) if roberta else None
+        self.padding_idx = bert_family.position_padding(config)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -132,9 +111,11 @@ class Embeddings(torch.nn.Module):
         else:
             real = input_ids.ne(self.padding_idx).int()
             positions = (torch.cumsum(real, dim=1).type_as(real) * real).long() + self.padding_idx
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = self.word_embeddings(input_ids)
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            x = x + self.token_type_embeddings(token_type_ids)
         return self.norm(x + self.position_embeddings(positions))
 
 
@@ -234,9 +215,9 @@ class FusedLayer(torch.nn.Module):
 
 
 class FusedBert(torch.nn.Module):
-    """A BERT-family encoder with a fused forward, built from its config and its ``BertModel``
-    state dict (no prefix); called like the transformers model (``input_ids``,
-    ``attention_mask``, ``token_type_ids``, ``output_hidden_states``)."""
+    """A BERT-family encoder with a fused forward, built from its config and the model's own
+    state dict (no prefix; ``bert_family.weight_shapes``); called like the transformers model
+    (``input_ids``, ``attention_mask``, ``token_type_ids``, ``output_hidden_states``)."""
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
                  onednn_fp32: bool) -> None:
@@ -245,7 +226,10 @@ class FusedBert(torch.nn.Module):
         self.dtype: torch.dtype | None = None  # fixed by ``pack``: else autocast's, or fp32
         self.int8 = False  # ``to_int8``
         self.shaped = False  # products over ``product_rows`` rows: where oneDNN runs them all
+        state = bert_family.bert_names(config, state)
         self.embeddings = Embeddings(config, state)
+        relative = state.get(bert_family.RELATIVE_BIAS)
+        self.relative = None if relative is None else bert_family.RelativeBias(relative)
         self.layers = torch.nn.ModuleList(
             FusedLayer(config, _under(state, f"encoder.layer.{i}."), onednn_fp32)
             for i in range(int(config.num_hidden_layers)))
@@ -294,7 +278,7 @@ class FusedBert(torch.nn.Module):
             x = x.view(tokens, -1)
             if rows > tokens:  # zero rows up to the products' shape
                 x = F.pad(x, (0, 0, 0, rows - tokens))
-            bias = attention_bias(attention_mask, dtype)
+            bias = self._attention_bias(attention_mask, dtype)
             states = [x] if output_hidden_states else None  # else each freed once read
             for layer in self.layers:
                 x = layer(x, shape, bias, dtype)
@@ -304,6 +288,18 @@ class FusedBert(torch.nn.Module):
             return FusedOutput(x[:tokens].view(*shape, -1).float())
         every = tuple(state[:tokens].view(*shape, -1).float() for state in states)
         return FusedOutput(every[-1], every)
+
+    def _attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """What every layer adds to its attention scores: the padding mask
+        (``attention_bias``), plus MPNet's relative position bias ([rows, heads, width,
+        keys]; a view of one row's where nothing is masked). Built once a forward."""
+        padding = attention_bias(mask, dtype)
+        if self.relative is None:
+            return padding
+        rows, width = mask.shape
+        keys = width if padding is None else padding.shape[-1]
+        relative = self.relative(width, keys, dtype)
+        return relative.expand(rows, -1, -1, -1) if padding is None else relative + padding
 
     def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The residual stream's dtype in a forward whose products run in ``dtype``: fp32, as
@@ -322,7 +318,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
            out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
     from ``attention_bias``: [rows, 1, 1, ``key_width(tokens, dtype)``] in q's dtype, or
-    None) as [rows, tokens, heads x head], written into ``out`` where given (contiguous rows,
+    [rows, heads, tokens, keys] with MPNet's relative position bias added, or None) as
+    [rows, tokens, heads x head], written into ``out`` where given (contiguous rows,
     a view of a longer buffer), through the kernel ``attention_kernel`` picks."""
     rows, heads, width, dim = q.shape
     if out is None:

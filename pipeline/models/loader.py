@@ -179,15 +179,16 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool,
 
 def read_bert_weights(files: ModelFiles, config: ModelConfig
                       ) -> dict[str, torch.Tensor] | None:
-    """A BERT-family transformer's weights as ``pipeline.fused_bert`` names them (float32),
-    read from its one ``model.safetensors`` without transformers' model classes (importing
-    them took ~1.2 s of MiniLM's ~1.9 s load). None where transformers' own loader must
+    """A BERT-family transformer's weights that ``pipeline.fused_bert`` reads, under the
+    model's own names (``bert_family.weight_shapes``; float32), read from its one
+    ``model.safetensors`` without transformers' model classes (importing them took ~1.2 s of
+    MiniLM's ~1.9 s load). None where transformers' own loader must
     decide: model arguments, a sharded or pickled checkpoint, or names or shapes it would
     rename, leave missing or refuse."""
     import torch
     from safetensors import safe_open
 
-    from pipeline.fused_bert import weight_shapes
+    from pipeline.bert_family import CHECKPOINT_PREFIX, weight_shapes
 
     path = files.transformer_dir / "model.safetensors"
     if _model_args(files) or not path.is_file():
@@ -195,7 +196,7 @@ def read_bert_weights(files: ModelFiles, config: ModelConfig
     wanted = weight_shapes(config)
     with safe_open(str(path), framework="pt") as stored:
         names = set(stored.keys())
-        base = BASE_PREFIX.get(config.model_type, "")
+        base = CHECKPOINT_PREFIX.get(config.model_type, "")
         prefix = f"{base}." if f"{base}.{next(iter(wanted))}" in names else ""
         if any(prefix + name not in names for name in wanted):
             return None
@@ -205,7 +206,6 @@ def read_bert_weights(files: ModelFiles, config: ModelConfig
     return state
 
 
-BASE_PREFIX = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}  # in checkpoints
 _PASSED_ON = ("attn_implementation", "local_files_only", "dtype", "torch_dtype")  # set here
 
 

@@ -1,0 +1,123 @@
+"""What tells apart the encoders ``pipeline.fused_bert`` runs: BERT, RoBERTa / XLM-RoBERTa and
+MPNet share one layer (projections, attention, post-LayerNorm residuals, a GELU feed-forward)
+and differ in their state dicts' names, in how they number positions and in MPNet's relative
+position bias, each as transformers' own model has it:
+
+* BERT numbers positions from 0 and adds token type embeddings;
+* RoBERTa numbers real tokens from ``pad_token_id + 1`` (padding keeps ``pad_token_id``);
+* MPNet numbers them as RoBERTa does from its fixed padding index 1, has no token types, names
+  its layers' parts ``attention.attn.q`` ... ``attention.attn.o`` and ``attention.LayerNorm``,
+  and adds to every layer's attention scores (after the 1/sqrt(head) scale, before the
+  padding mask) one bias per head and query-key distance: ``RelativeBias``.
+
+``FusedBert`` reads its weights under BERT's names (``bert_names``) whatever the checkpoint
+calls them (``weight_shapes``: the model's own names, read by ``pipeline.models.loader``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pipeline.models.recorded import ModelConfig
+
+FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "mpnet"})
+CHECKPOINT_PREFIX = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta",
+                     "mpnet": "mpnet"}  # the base model's name inside task checkpoints
+MPNET_PADDING_IDX = 1  # MPNetEmbeddings numbers positions from this, whatever the config says
+MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128  # MPNetEncoder.compute_position_bias's, fixed there
+RELATIVE_BIAS = "encoder.relative_attention_bias.weight"
+_MPNET_PARTS = {"attention.self.query": "attention.attn.q",
+                "attention.self.key": "attention.attn.k",
+                "attention.self.value": "attention.attn.v",
+                "attention.output.dense": "attention.attn.o",
+                "attention.output.LayerNorm": "attention.LayerNorm"}
+_LAYER_PARTS = ("attention.self.query", "attention.self.key", "attention.self.value",
+                "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
+                "output.dense", "output.LayerNorm")
+
+
+def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The weights ``FusedBert`` reads for ``config``'s model, under BERT's names."""
+    hidden, inner = int(config.hidden_size), int(config.intermediate_size)
+    shapes = {"embeddings.word_embeddings.weight": (int(config.vocab_size), hidden),
+              "embeddings.position_embeddings.weight": (int(config.max_position_embeddings),
+                                                        hidden)}
+    if config.model_type == "mpnet":
+        shapes[RELATIVE_BIAS] = (int(config.relative_attention_num_buckets),
+                                 int(config.num_attention_heads))
+    else:
+        shapes["embeddings.token_type_embeddings.weight"] = (int(config.type_vocab_size), hidden)
+    shapes |= {"embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
+    part_shapes = dict(zip(_LAYER_PARTS, [(hidden, hidden)] * 4 + [(hidden,), (inner, hidden),
+                                                                   (hidden, inner), (hidden,)],
+                           strict=True))
+    for i in range(int(config.num_hidden_layers)):
+        for part, shape in part_shapes.items():
+            shapes[f"encoder.layer.{i}.{part}.weight"] = shape
+            shapes[f"encoder.layer.{i}.{part}.bias"] = shape[:1]
+    return shapes
+
+
+def own_name(model_type: str, name: str) -> str:
+    """What the model's own state dict calls the weight BERT calls ``name``."""
+    if model_type != "mpnet" or not name.startswith("encoder.layer."):
+        return name
+    for bert, mpnet in _MPNET_PARTS.items():
+        name = name.replace(f".{bert}.", f".{mpnet}.")
+    return name
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The weights ``FusedBert`` reads, as the model's own state dict (no prefix) names them,
+    and their shapes."""
+    return {own_name(config.model_type, name): shape for name, shape in _shapes(config).items()}
+
+
+def bert_names(config: ModelConfig, state: Mapping[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+    """The weights ``FusedBert`` reads from the model's own ``state`` (no prefix), under
+    BERT's names."""
+    return {name: state[own_name(config.model_type, name)] for name in _shapes(config)}
+
+
+def position_padding(config: ModelConfig) -> int | None:
+    """The padding index positions are numbered from (``pipeline.fused_bert.Embeddings``),
+    or None where they are numbered from 0 (BERT)."""
+    if config.model_type == "mpnet":
+        return MPNET_PADDING_IDX
+    return int(config.pad_token_id) if config.model_type in ("roberta", "xlm-roberta") else None
+
+
+class RelativeBias(torch.nn.Module):
+    """MPNet's attention bias: per head, a learned value for each bucket of query-key
+    distance (exact up to 8 either way, then log-spaced to 128), as
+    ``MPNetEncoder.compute_position_bias`` builds it."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding.from_pretrained(weight, freeze=True)  # [buckets, heads]
+
+    def forward(self, width: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """[1, heads, width, keys] in ``dtype``: the bias of ``width`` queries over ``keys``
+        keys (positions from 0)."""
+        distance = torch.arange(keys)[None, :] - torch.arange(width)[:, None]
+        return self.table(relative_bucket(distance)).permute(2, 0, 1)[None].to(dtype)
+
+
+def relative_bucket(distance: torch.Tensor) -> torch.Tensor:
+    """transformers' ``MPNetEncoder.relative_position_bucket`` (bidirectional, 32 buckets,
+    max distance 128), the same arithmetic."""
+    half = MPNET_BUCKETS // 2
+    n = -distance
+    bucket = (n < 0).to(torch.long) * half
+    n = torch.abs(n)
+    exact = half // 2
+    large = exact + (torch.log(n.float() / exact) / math.log(MPNET_MAX_DISTANCE / exact)
+                     * (half - exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, half - 1))
+    return bucket + torch.where(n < exact, n, large)
