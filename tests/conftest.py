@@ -52,6 +52,8 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
         config = MPNetConfig(**shape, max_position_embeddings=TINY_MAX_POSITIONS + 2,
                              pad_token_id=tokenizer.pad_token_id)
         model = MPNetModel(config)
+        with torch.no_grad():  # a relative position bias that matters (initialised ~0.02)
+            model.encoder.relative_attention_bias.weight.normal_(0.0, 1.0)
     else:
         model = BertModel(BertConfig(**shape, max_position_embeddings=TINY_MAX_POSITIONS))
     model.eval().save_pretrained(target)

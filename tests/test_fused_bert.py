@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+from transformers import BertConfig, BertModel, MPNetConfig, MPNetModel, RobertaConfig, RobertaModel
 
-from pipeline import fused_bert
+from pipeline import fused_bert, graph_attention
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.fused_bert import FusedBert, attend, fusable
@@ -28,6 +28,11 @@ def tiny(kind: str = "bert", **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "roberta":
         return RobertaModel(RobertaConfig(pad_token_id=1, **shape)).eval()
+    if kind == "mpnet":
+        model = MPNetModel(MPNetConfig(**shape), add_pooling_layer=False).eval()
+        with torch.no_grad():  # a relative position bias that matters (initialised ~0.02)
+            model.encoder.relative_attention_bias.weight.normal_(0.0, 2.0)
+        return model
     return BertModel(BertConfig(**shape)).eval()
 
 
@@ -45,7 +50,7 @@ def real(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return states[mask.bool()]
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet"])
 @pytest.mark.parametrize("onednn_fp32", [True, False])
 def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32: bool) -> None:
     model = tiny(kind)
@@ -57,6 +62,38 @@ def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32:
     assert len(got) == len(want) == 4
     for ours, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "blocked", "graph"])
+def test_mpnets_relative_position_bias_reaches_every_attention_kernel(
+        monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """MPNet's states, through each attention kernel, over padded batches and a batch without
+    padding (the bias then one row's, viewed for every row): transformers' in fp32, within
+    bf16's rounding of them in bf16; with its bias zeroed they are not."""
+    if kernel == "graph" and not graph_attention.available():
+        pytest.skip("this torch has no oneDNN Graph fuser")
+    monkeypatch.setattr(fused_bert, "attention_kernel", lambda width, dtype: kernel)
+    model = tiny("mpnet", max_position_embeddings=200)
+    fused, packed = (FusedBert.from_model(model, onednn_fp32=True) for _ in range(2))
+    packed.pack(torch.bfloat16)
+    for rows, width, padded in [(5, 23, True), (3, 40, False), (4, 100, True), (2, 5, True)]:
+        ids, mask = batch(rows, width)
+        if not padded:
+            mask = torch.ones_like(mask)
+        with torch.inference_mode():
+            want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            got = fused(ids, mask, output_hidden_states=True).hidden_states
+            half = packed(ids, mask).last_hidden_state
+        for ours, theirs in zip(got, want.hidden_states, strict=True):
+            torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=2e-5,
+                                       rtol=1e-4)
+        cosine = F.cosine_similarity(real(half, mask), real(want.last_hidden_state, mask), -1)
+        assert float(cosine.min()) > 0.999, (rows, width)
+    fused.relative.table.weight.zero_()
+    with torch.inference_mode():
+        unbiased = fused(ids, mask).last_hidden_state
+    gap = (real(unbiased, mask) - real(want.last_hidden_state, mask)).abs().max()
+    assert float(gap) > 1e-2  # hundreds of times the tolerance above
 
 
 def test_the_tanh_gelu_is_fused_as_the_tanh_gelu() -> None:
@@ -251,6 +288,7 @@ def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None
 @pytest.mark.parametrize(("kind", "overrides", "expected"), [
     ("bert", {}, True),
     ("roberta", {}, True),
+    ("mpnet", {}, True),
     ("bert", {"hidden_act": "relu"}, False),
     ("bert", {"position_embedding_type": "relative_key"}, False),
     ("bert", {"is_decoder": True}, False),

@@ -14,6 +14,9 @@ from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertModel,
+    MPNetConfig,
+    MPNetForMaskedLM,
+    MPNetModel,
     RobertaConfig,
     RobertaModel,
 )
@@ -36,7 +39,9 @@ def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
     torch.manual_seed(3)
     model = {"bert": lambda: BertModel(BertConfig(**shape)),
              "bert-for-mlm": lambda: BertForMaskedLM(BertConfig(**shape)),  # keys "bert.*"
-             "roberta": lambda: RobertaModel(RobertaConfig(**shape))}[kind]()
+             "roberta": lambda: RobertaModel(RobertaConfig(**shape)),
+             "mpnet": lambda: MPNetModel(MPNetConfig(**shape)),
+             "mpnet-for-mlm": lambda: MPNetForMaskedLM(MPNetConfig(**shape))}[kind]()  # "mpnet.*"
     model.eval().save_pretrained(folder)
     if not safetensors:  # the older pickled checkpoint (transformers 5 saves safetensors only)
         torch.save(model.state_dict(), folder / "pytorch_model.bin")
@@ -53,7 +58,7 @@ def states(encoder: Encoder) -> tuple[list[torch.Tensor], torch.Tensor]:
     return [out.hidden[i] for i in sorted(layers)], mask
 
 
-@pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta"])
+@pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta", "mpnet", "mpnet-for-mlm"])
 def test_weights_read_from_safetensors_give_transformers_states(tmp_path: Path, kind: str) -> None:
     folder = save_tiny(tmp_path, kind)
     files = loader.read_model_files(str(folder))
