@@ -97,10 +97,14 @@ class Embeddings(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
         super().__init__()
-        self.word_embeddings, self.position_embeddings, self.token_type_embeddings = (
-            None if f"embeddings.{name}.weight" not in state else
-            torch.nn.Embedding.from_pretrained(state[f"embeddings.{name}.weight"], freeze=True)
-            for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"))
+        def table(name: str) -> torch.nn.Embedding:
+            return torch.nn.Embedding.from_pretrained(state[f"embeddings.{name}.weight"],
+                                                      freeze=True)
+
+        self.word_embeddings, self.position_embeddings = table("word_embeddings"), table(
+            "position_embeddings")
+        types = "embeddings.token_type_embeddings.weight" in state  # not MPNet's
+        self.token_type_embeddings = table("token_type_embeddings") if types else None
         self.norm = _layer_norm(state, "embeddings.LayerNorm", config.layer_norm_eps)
         self.padding_idx = bert_family.position_padding(config)
 

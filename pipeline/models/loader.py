@@ -182,9 +182,9 @@ def read_bert_weights(files: ModelFiles, config: ModelConfig
     """A BERT-family transformer's weights that ``pipeline.fused_bert`` reads, under the
     model's own names (``bert_family.weight_shapes``; float32), read from its one
     ``model.safetensors`` without transformers' model classes (importing them took ~1.2 s of
-    MiniLM's ~1.9 s load). None where transformers' own loader must
-    decide: model arguments, a sharded or pickled checkpoint, or names or shapes it would
-    rename, leave missing or refuse."""
+    MiniLM's ~1.9 s load). None where transformers' own loader must decide: model arguments,
+    a sharded or pickled checkpoint, or names or shapes it would rename, leave missing or
+    refuse."""
     import torch
     from safetensors import safe_open
 
