@@ -36,9 +36,6 @@ _MPNET_PARTS = {"attention.self.query": "attention.attn.q",
                 "attention.self.value": "attention.attn.v",
                 "attention.output.dense": "attention.attn.o",
                 "attention.output.LayerNorm": "attention.LayerNorm"}
-_LAYER_PARTS = ("attention.self.query", "attention.self.key", "attention.self.value",
-                "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
-                "output.dense", "output.LayerNorm")
 
 
 def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -53,11 +50,12 @@ def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     else:
         shapes["embeddings.token_type_embeddings.weight"] = (int(config.type_vocab_size), hidden)
     shapes |= {"embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
-    part_shapes = dict(zip(_LAYER_PARTS, [(hidden, hidden)] * 4 + [(hidden,), (inner, hidden),
-                                                                   (hidden, inner), (hidden,)],
-                           strict=True))
+    parts = {"attention.self.query": (hidden, hidden), "attention.self.key": (hidden, hidden),
+             "attention.self.value": (hidden, hidden), "attention.output.dense": (hidden, hidden),
+             "attention.output.LayerNorm": (hidden,), "intermediate.dense": (inner, hidden),
+             "output.dense": (hidden, inner), "output.LayerNorm": (hidden,)}
     for i in range(int(config.num_hidden_layers)):
-        for part, shape in part_shapes.items():
+        for part, shape in parts.items():
             shapes[f"encoder.layer.{i}.{part}.weight"] = shape
             shapes[f"encoder.layer.{i}.{part}.bias"] = shape[:1]
     return shapes

@@ -295,14 +295,15 @@ class FusedBert(torch.nn.Module):
 
     def _attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """What every layer adds to its attention scores: the padding mask
-        (``attention_bias``), plus MPNet's relative position bias ([rows, heads, width,
-        keys]; a view of one row's where nothing is masked). Built once a forward."""
+        (``attention_bias``), plus MPNet's relative position bias ([rows, heads,
+        ``query_width``, keys]; a view of one row's where nothing is masked). Built once a
+        forward."""
         padding = attention_bias(mask, dtype)
         if self.relative is None:
             return padding
         rows, width = mask.shape
         keys = width if padding is None else padding.shape[-1]
-        relative = self.relative(width, keys, dtype)
+        relative = self.relative(query_width(width, dtype), keys, dtype)
         return relative.expand(rows, -1, -1, -1) if padding is None else relative + padding
 
     def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -322,7 +323,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
            out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
     from ``attention_bias``: [rows, 1, 1, ``key_width(tokens, dtype)``] in q's dtype, or
-    [rows, heads, tokens, keys] with MPNet's relative position bias added, or None) as
+    [rows, heads, ``query_width``, keys] with MPNet's relative position bias added, or None) as
     [rows, tokens, heads x head], written into ``out`` where given (contiguous rows,
     a view of a longer buffer), through the kernel ``attention_kernel`` picks."""
     rows, heads, width, dim = q.shape
@@ -430,6 +431,13 @@ def key_width(width: int, dtype: torch.dtype) -> int:
     if kernel == "graph":
         return graph_attention.key_width(width)
     return width if kernel == "sdpa" else max(width, MIN_KEYS)
+
+
+def query_width(width: int, dtype: torch.dtype) -> int:
+    """How many queries ``attend`` takes over rows of ``width`` tokens in ``dtype``: oneDNN
+    Graph's kernel pads them as it pads the keys (``key_width``), the others take ``width``.
+    A bias per query (MPNet's) is built for that many, once a forward."""
+    return key_width(width, dtype) if attention_kernel(width, dtype) == "graph" else width
 
 
 def _under(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

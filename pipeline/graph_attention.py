@@ -98,19 +98,18 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tokens, heads x head], written into ``out`` where given, through oneDNN Graph's fused
     kernel. ``bias``: [rows, 1, 1, ``key_width(tokens)``] in q's dtype, 0 or the dtype's most
     negative value (its padded keys masked; ``pipeline.fused_bert.attention_bias`` builds it
-    once a forward), or [rows, heads, tokens, keys] with MPNet's relative position bias added,
-    or None where no key is masked."""
+    once a forward), or [rows, heads, keys, keys] with MPNet's relative position bias added
+    (the queries padded as the keys are), or None where no key is masked."""
     rows, heads, width, dim = q.shape
     keys = key_width(width)
     if bias is None:
         bias = torch.zeros((rows, 1, 1, keys), dtype=q.dtype)
-    if bias.shape[-1] != keys:
-        raise ValueError(f"a bias over {bias.shape[-1]} keys for rows of {width} tokens: this "
-                         f"kernel takes {keys} (key_width)")
+    if bias.shape[-1] != keys or bias.shape[-2] not in (1, keys):
+        raise ValueError(f"a bias over {tuple(bias.shape[-2:])} queries x keys for rows of "
+                         f"{width} tokens: this kernel takes {keys} keys and 1 or {keys} "
+                         "queries (key_width)")
     if keys > width:
         q, k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (q, k, v))
-        if bias.shape[-2] == width > 1:  # a bias per query (MPNet's): none for padded ones
-            bias = F.pad(bias, (0, 0, 0, keys - width))
     if out is None:
         out = q.new_empty((rows, width, heads * dim))
     context = out.view(rows, width, heads, dim)

@@ -205,9 +205,13 @@ def test_each_kernel_takes_the_widths_and_dtypes_it_was_measured_fastest_at(
         "blocked", "sdpa", "sdpa"]
     assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "sdpa"]
     assert fused_bert.key_width(wide + 1, torch.bfloat16) == wide + 1  # SDPA: no keys appended
+    assert fused_bert.query_width(wide + 1, torch.bfloat16) == wide + 1
     monkeypatch.setattr(fused_bert, "amx_here", lambda: False)  # no AMX
     assert [kernel(w, torch.bfloat16) for w in (narrow, wide)] == ["blocked", "graph"]
     assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "graph"]
+    padded = graph_attention.key_width(wide + 1)  # oneDNN Graph pads queries as it pads keys
+    assert fused_bert.query_width(wide + 1, torch.float32) == padded > wide + 1
+    assert fused_bert.query_width(narrow, torch.bfloat16) == narrow  # blocked: none padded
 
 
 def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
