@@ -9,7 +9,7 @@ One run, the same texts for every contender:
 Contenders (all on this machine, model loaded before timing):
 
 * (a) ``SentenceTransformer(model).encode(texts)`` with default settings (``--model``: a
-  sentence-transformers folder, by default the packaged MiniLM; ``bench/mpnet_model.py``
+  sentence-transformers folder, by default the packaged MiniLM; ``bench/base_models.py``
   saves one of all-mpnet-base-v2's architecture and size);
 * (b) ``Embedder`` with default settings (``dtype auto``, pooler ``mean``);
 * (b0, ``--unfused``) the same Embedder running transformers' own forward instead of the fused

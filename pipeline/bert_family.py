@@ -1,23 +1,29 @@
-"""What tells apart the encoders ``pipeline.fused_bert`` runs: BERT, RoBERTa / XLM-RoBERTa and
-MPNet share one layer (projections, attention, post-LayerNorm residuals, a GELU feed-forward)
-and differ in their state dicts' names, in how they number positions and in MPNet's relative
-position bias, each as transformers' own model has it:
+"""What tells apart the encoders ``pipeline.fused_bert`` runs: BERT, RoBERTa / XLM-RoBERTa,
+MPNet and DistilBERT share one layer (projections, attention, post-LayerNorm residuals, a GELU
+feed-forward) and differ in their configs' and state dicts' names, in how they number positions
+and in MPNet's relative position bias, each as transformers' own model has it:
 
 * BERT numbers positions from 0 and adds token type embeddings;
 * RoBERTa numbers real tokens from ``pad_token_id + 1`` (padding keeps ``pad_token_id``);
 * MPNet numbers them as RoBERTa does from its fixed padding index 1, has no token types, names
   its layers' parts ``attention.attn.q`` ... ``attention.attn.o`` and ``attention.LayerNorm``,
   and adds to every layer's attention scores (after the 1/sqrt(head) scale, before the
-  padding mask) one bias per head and query-key distance: ``RelativeBias``.
+  padding mask) one bias per head and query-key distance: ``RelativeBias``;
+* DistilBERT numbers positions from 0 (a learned table, or a sinusoid stored in it), has no
+  token types, keeps its layers under ``transformer.layer`` with parts of its own names
+  (``attention.q_lin`` ... ``ffn.lin2``), and calls its sizes ``dim``, ``n_heads``,
+  ``hidden_dim``, its activation ``activation``; its LayerNorm epsilon is fixed in its model.
 
-``FusedBert`` reads its weights under BERT's names (``bert_names``) whatever the checkpoint
-calls them (``weight_shapes``: the model's own names, read by ``pipeline.models.loader``).
+``FusedBert`` reads its sizes from ``dims`` and its weights under BERT's names (``bert_names``)
+whatever the checkpoint calls them (``weight_shapes``: the model's own names, read by
+``pipeline.models.loader``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,49 +31,90 @@ import torch
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
 
-FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "mpnet"})
+FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "mpnet", "distilbert"})
 CHECKPOINT_PREFIX = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta",
-                     "mpnet": "mpnet"}  # the base model's name inside task checkpoints
+                     "mpnet": "mpnet", "distilbert": "distilbert"}  # base model in task models
 MPNET_PADDING_IDX = 1  # MPNetEmbeddings numbers positions from this, whatever the config says
 MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128  # MPNetEncoder.compute_position_bias's, fixed there
+DISTILBERT_EPS = 1e-12  # DistilBERT's LayerNorms', fixed in its model (no config field)
 RELATIVE_BIAS = "encoder.relative_attention_bias.weight"
-_MPNET_PARTS = {"attention.self.query": "attention.attn.q",
-                "attention.self.key": "attention.attn.k",
-                "attention.self.value": "attention.attn.v",
-                "attention.output.dense": "attention.attn.o",
-                "attention.output.LayerNorm": "attention.LayerNorm"}
+_LAYERS = "encoder.layer."  # BERT's; DistilBERT's: _OWN_LAYERS
+_OWN_LAYERS = {"distilbert": "transformer.layer."}
+_OWN_PARTS = {  # BERT's name of a layer's part -> the model's own, where it differs
+    "mpnet": {"attention.self.query": "attention.attn.q",
+              "attention.self.key": "attention.attn.k",
+              "attention.self.value": "attention.attn.v",
+              "attention.output.dense": "attention.attn.o",
+              "attention.output.LayerNorm": "attention.LayerNorm"},
+    "distilbert": {"attention.self.query": "attention.q_lin",
+                   "attention.self.key": "attention.k_lin",
+                   "attention.self.value": "attention.v_lin",
+                   "attention.output.dense": "attention.out_lin",
+                   "attention.output.LayerNorm": "sa_layer_norm",
+                   "intermediate.dense": "ffn.lin1", "output.dense": "ffn.lin2",
+                   "output.LayerNorm": "output_layer_norm"}}
+
+
+@dataclass(frozen=True)
+class Dims:
+    """A fusable model's sizes and constants, whatever its config calls them."""
+
+    hidden: int
+    heads: int
+    layers: int
+    inner: int  # the feed-forward's width
+    activation: str
+    eps: float  # the LayerNorms'
+    vocab: int
+    positions: int
+    token_types: int  # 0: the model adds none (MPNet, DistilBERT)
+    buckets: int  # MPNet's relative position buckets; 0 elsewhere
+
+
+def dims(config: ModelConfig) -> Dims:
+    """The sizes of the fusable model of ``config`` (a type in ``FUSABLE_TYPES``)."""
+    if config.model_type == "distilbert":
+        return Dims(int(config.dim), int(config.n_heads), int(config.n_layers),
+                    int(config.hidden_dim), config.activation, DISTILBERT_EPS,
+                    int(config.vocab_size), int(config.max_position_embeddings), 0, 0)
+    mpnet = config.model_type == "mpnet"
+    return Dims(int(config.hidden_size), int(config.num_attention_heads),
+                int(config.num_hidden_layers), int(config.intermediate_size), config.hidden_act,
+                float(config.layer_norm_eps), int(config.vocab_size),
+                int(config.max_position_embeddings), 0 if mpnet else int(config.type_vocab_size),
+                int(config.relative_attention_num_buckets) if mpnet else 0)
 
 
 def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The weights ``FusedBert`` reads for ``config``'s model, under BERT's names."""
-    hidden, inner = int(config.hidden_size), int(config.intermediate_size)
-    shapes = {"embeddings.word_embeddings.weight": (int(config.vocab_size), hidden),
-              "embeddings.position_embeddings.weight": (int(config.max_position_embeddings),
-                                                        hidden)}
-    if config.model_type == "mpnet":
-        shapes[RELATIVE_BIAS] = (int(config.relative_attention_num_buckets),
-                                 int(config.num_attention_heads))
-    else:
-        shapes["embeddings.token_type_embeddings.weight"] = (int(config.type_vocab_size), hidden)
+    d = dims(config)
+    hidden = d.hidden
+    shapes = {"embeddings.word_embeddings.weight": (d.vocab, hidden),
+              "embeddings.position_embeddings.weight": (d.positions, hidden)}
+    if d.buckets:
+        shapes[RELATIVE_BIAS] = (d.buckets, d.heads)
+    if d.token_types:
+        shapes["embeddings.token_type_embeddings.weight"] = (d.token_types, hidden)
     shapes |= {"embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
     parts = {"attention.self.query": (hidden, hidden), "attention.self.key": (hidden, hidden),
              "attention.self.value": (hidden, hidden), "attention.output.dense": (hidden, hidden),
-             "attention.output.LayerNorm": (hidden,), "intermediate.dense": (inner, hidden),
-             "output.dense": (hidden, inner), "output.LayerNorm": (hidden,)}
-    for i in range(int(config.num_hidden_layers)):
+             "attention.output.LayerNorm": (hidden,), "intermediate.dense": (d.inner, hidden),
+             "output.dense": (hidden, d.inner), "output.LayerNorm": (hidden,)}
+    for i in range(d.layers):
         for part, shape in parts.items():
-            shapes[f"encoder.layer.{i}.{part}.weight"] = shape
-            shapes[f"encoder.layer.{i}.{part}.bias"] = shape[:1]
+            shapes[f"{_LAYERS}{i}.{part}.weight"] = shape
+            shapes[f"{_LAYERS}{i}.{part}.bias"] = shape[:1]
     return shapes
 
 
 def own_name(model_type: str, name: str) -> str:
     """What the model's own state dict calls the weight BERT calls ``name``."""
-    if model_type != "mpnet" or not name.startswith("encoder.layer."):
+    if not name.startswith(_LAYERS):
         return name
-    for bert, mpnet in _MPNET_PARTS.items():
-        name = name.replace(f".{bert}.", f".{mpnet}.")
-    return name
+    index, rest = name.removeprefix(_LAYERS).split(".", 1)
+    part, kind = rest.rsplit(".", 1)
+    part = _OWN_PARTS.get(model_type, {}).get(part, part)
+    return f"{_OWN_LAYERS.get(model_type, _LAYERS)}{index}.{part}.{kind}"
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

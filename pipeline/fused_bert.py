@@ -36,11 +36,12 @@ states match transformers' within float rounding (tested), bf16 ones pass the sa
 0.9999 check against fp32.
 
 Used on a CPU for ``model_type`` bert / roberta / xlm-roberta with absolute positions and GELU,
-and for mpnet (its relative position bias added to the padding mask: ``pipeline.bert_family``),
-when no pooler needs attention weights (those run transformers' eager attention), and not with
-``--compile`` (which takes the transformers model). ``dtype int8`` runs it too (``to_int8``)
-where oneDNN's int8 product and bf16 run natively here, else takes the transformers model to
-ONNX Runtime (``pipeline.quantize``). A GPU keeps transformers' forward and SDPA's fused kernels.
+for distilbert and for mpnet (its relative position bias added to the padding mask; what tells
+them apart: ``pipeline.bert_family``), when no pooler needs attention weights (those run
+transformers' eager attention), and not with ``--compile`` (which takes the transformers model).
+``dtype int8`` runs it too (``to_int8``) where oneDNN's int8 product and bf16 run natively
+here, else takes the transformers model to ONNX Runtime (``pipeline.quantize``). A GPU keeps
+transformers' forward and SDPA's fused kernels.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def fusable(config: ModelConfig, device: torch.device) -> bool:
     (not for a model whose config names its own modeling code: that code decides)."""
     remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
     return (device.type == "cpu" and torch.backends.mkldnn.is_available() and not remote
-            and config.model_type in bert_family.FUSABLE_TYPES and config.hidden_act in GELU
+            and config.model_type in bert_family.FUSABLE_TYPES
+            and bert_family.dims(config).activation in GELU
             and getattr(config, "position_embedding_type", "absolute") in (None, "absolute")
             and not getattr(config, "is_decoder", False)
             and not getattr(config, "add_cross_attention", False))
@@ -103,9 +105,9 @@ class Embeddings(torch.nn.Module):
 
         self.word_embeddings, self.position_embeddings = table("word_embeddings"), table(
             "position_embeddings")
-        types = "embeddings.token_type_embeddings.weight" in state  # not MPNet's
+        types = "embeddings.token_type_embeddings.weight" in state  # not MPNet's, DistilBERT's
         self.token_type_embeddings = table("token_type_embeddings") if types else None
-        self.norm = _layer_norm(state, "embeddings.LayerNorm", config.layer_norm_eps)
+        self.norm = _layer_norm(state, "embeddings.LayerNorm", bert_family.dims(config).eps)
         self.padding_idx = bert_family.position_padding(config)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
@@ -129,8 +131,9 @@ class FusedLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
                  onednn_fp32: bool) -> None:
         super().__init__()
-        heads, eps = int(config.num_attention_heads), config.layer_norm_eps
-        scale = (int(config.hidden_size) // heads) ** -0.5
+        dims = bert_family.dims(config)
+        heads, eps = dims.heads, dims.eps
+        scale = (dims.hidden // heads) ** -0.5
         self.qkv = _concat([(_linear(state, "attention.self.query"), scale),
                             (_linear(state, "attention.self.key"), 1.0),
                             (_linear(state, "attention.self.value"), 1.0)])
@@ -138,7 +141,7 @@ class FusedLayer(torch.nn.Module):
         self.norm1 = _layer_norm(state, "attention.output.LayerNorm", eps)
         self.up, self.down = _linear(state, "intermediate.dense"), _linear(state, "output.dense")
         self.norm2 = _layer_norm(state, "output.LayerNorm", eps)
-        self.heads, self.gelu, self.onednn_fp32 = heads, GELU[config.hidden_act], onednn_fp32
+        self.heads, self.gelu, self.onednn_fp32 = heads, GELU[dims.activation], onednn_fp32
         self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
 
     def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
@@ -236,7 +239,7 @@ class FusedBert(torch.nn.Module):
         self.relative = None if relative is None else bert_family.RelativeBias(relative)
         self.layers = torch.nn.ModuleList(
             FusedLayer(config, _under(state, f"encoder.layer.{i}."), onednn_fp32)
-            for i in range(int(config.num_hidden_layers)))
+            for i in range(bert_family.dims(config).layers))
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, onednn_fp32: bool) -> FusedBert:

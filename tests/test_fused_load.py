@@ -14,6 +14,9 @@ from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertModel,
+    DistilBertConfig,
+    DistilBertForMaskedLM,
+    DistilBertModel,
     MPNetConfig,
     MPNetForMaskedLM,
     MPNetModel,
@@ -36,12 +39,17 @@ def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
     shape = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=96,
                  pad_token_id=tokenizer.pad_token_id)
+    distilbert = DistilBertConfig(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=2,
+                                  hidden_dim=64, max_position_embeddings=96,
+                                  pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(3)
     model = {"bert": lambda: BertModel(BertConfig(**shape)),
              "bert-for-mlm": lambda: BertForMaskedLM(BertConfig(**shape)),  # keys "bert.*"
              "roberta": lambda: RobertaModel(RobertaConfig(**shape)),
              "mpnet": lambda: MPNetModel(MPNetConfig(**shape)),
-             "mpnet-for-mlm": lambda: MPNetForMaskedLM(MPNetConfig(**shape))}[kind]()  # "mpnet.*"
+             "mpnet-for-mlm": lambda: MPNetForMaskedLM(MPNetConfig(**shape)),  # "mpnet.*"
+             "distilbert": lambda: DistilBertModel(distilbert),
+             "distilbert-for-mlm": lambda: DistilBertForMaskedLM(distilbert)}[kind]()
     model.eval().save_pretrained(folder)
     if not safetensors:  # the older pickled checkpoint (transformers 5 saves safetensors only)
         torch.save(model.state_dict(), folder / "pytorch_model.bin")
@@ -58,7 +66,8 @@ def states(encoder: Encoder) -> tuple[list[torch.Tensor], torch.Tensor]:
     return [out.hidden[i] for i in sorted(layers)], mask
 
 
-@pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta", "mpnet", "mpnet-for-mlm"])
+@pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta", "mpnet", "mpnet-for-mlm",
+                                  "distilbert", "distilbert-for-mlm"])
 def test_weights_read_from_safetensors_give_transformers_states(tmp_path: Path, kind: str) -> None:
     folder = save_tiny(tmp_path, kind)
     files = loader.read_model_files(str(folder))

@@ -125,25 +125,29 @@ def test_seed_poolers_read_token_states_and_model_head_applies_the_modules(
     assert row_cosines(vectors["cls"][:, :12], expected).min() < 0.99  # not the model's head
 
 
+@pytest.mark.parametrize("kind", ["mpnet", "distilbert"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
-def test_mpnet_matches_sentence_transformers(tmp_path: Path, texts: list[str],
-                                             monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+def test_mpnet_and_distilbert_match_sentence_transformers(
+        tmp_path: Path, texts: list[str], monkeypatch: pytest.MonkeyPatch, kind: str,
+        fused: bool) -> None:
     """MPNet, all-mpnet-base-v2's architecture (positions after its padding id, no token
-    types, a relative position bias in every layer's attention), through the fused forward
-    and, where that does not run (a pooler reading attention weights), through transformers'
-    own model, which has no SDPA for it (eager attention)."""
+    types, a relative position bias in every layer's attention), and DistilBERT (msmarco- and
+    multi-qa-distilbert's: its own config and weight names, no token types), through the fused
+    forward and, where that does not run (a pooler reading attention weights), through
+    transformers' own model, which for MPNet has no SDPA (eager attention)."""
     from sentence_transformers import SentenceTransformer
 
     from pipeline import fused_bert
 
-    base = build_tiny_bert(tmp_path / "base", kind="mpnet")
-    folder = save_variant(base, tmp_path / "st", Variant("mpnet_mean_norm", "mean",
+    base = build_tiny_bert(tmp_path / "base", kind=kind)
+    folder = save_variant(base, tmp_path / "st", Variant(f"{kind}_mean_norm", "mean",
                                                          normalize=True))
     if not fused:
         monkeypatch.setattr(fused_bert, "fusable", lambda config, device: False)
     ours = ours_for(folder)
     assert ours.encoder.fused is fused
-    if not fused:
+    assert ours.encoder.model.config.model_type == kind
+    if not fused and kind == "mpnet":
         assert ours.encoder.model.config._attn_implementation == "eager"
     theirs = SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=32)
-    assert_same(ours.encode(texts, "model"), theirs, "mpnet documents")
+    assert_same(ours.encode(texts, "model"), theirs, f"{kind} documents")

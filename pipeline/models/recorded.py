@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from pipeline.models.loader import ModelFiles
 
-SCHEMA = 1
+SCHEMA = 2  # 2: the config's mapped attribute names recorded too
 PROBE = "hello world"  # tokenized with and without special tokens: what wraps a text
 
 
@@ -76,9 +76,9 @@ class TokenizerFacts:
 
 
 class RecordedConfig(SimpleNamespace):
-    """A transformers config's attributes (``to_dict``), read back from a record: enough for
-    the fused forward; ``loader.transformers_config`` loads the real one where transformers'
-    own model is needed."""
+    """A transformers config's attributes (``config_attributes``), read back from a record:
+    enough for the fused forward; ``loader.transformers_config`` loads the real one where
+    transformers' own model is needed."""
 
 
 if TYPE_CHECKING:
@@ -104,9 +104,16 @@ def load(files: ModelFiles, files_hash: str, trust_remote_code: bool
     facts = TokenizerFacts.of(loader.load_tokenizer(files, trust_remote_code),
                               files.transformer_dir)
     if path:
-        storage.write_json(str(path), {"schema": SCHEMA, "config": config.to_dict(),
+        storage.write_json(str(path), {"schema": SCHEMA, "config": config_attributes(config),
                                        "tokenizer": asdict(facts)})
     return config, facts
+
+
+def config_attributes(config: PretrainedConfig) -> dict:
+    """``config.to_dict()`` and the names its class maps onto its own fields
+    (``attribute_map``: DistilBERT's ``hidden_size`` is its ``dim``), as the config answers
+    them: what the encoder reads of any model."""
+    return config.to_dict() | {alias: getattr(config, alias) for alias in config.attribute_map}
 
 
 def _read(path: Path) -> tuple[RecordedConfig, TokenizerFacts] | None:

