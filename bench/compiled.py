@@ -45,7 +45,7 @@ def docs_per_s(embedder, texts: list[str], rounds: int) -> tuple[float, np.ndarr
 def measure(dtype: str, texts: list[str], rounds: int) -> dict:
     import torch
 
-    from bench.encode_bench import encoder_flops, min_cosine, real_lengths
+    from bench.encode_bench import encoder_flops, ffn_shape, min_cosine, real_lengths
     from bench.peak import matmul_peak
     from pipeline.config import EncoderConfig, PoolerSpec
     from pipeline.embedder import Embedder
@@ -68,8 +68,7 @@ def measure(dtype: str, texts: list[str], rounds: int) -> dict:
     flops = encoder_flops(real_lengths(embedder, texts), config)
     torch_dtype = getattr(torch, TORCH_DTYPES[row["dtype"]])
     # on the torch thread: a kernel on this one would slow the next measure's (torch_thread.py)
-    peak = on_torch_thread(matmul_peak, torch_dtype, config.hidden_size,
-                           config.intermediate_size)
+    peak = on_torch_thread(matmul_peak, torch_dtype, *ffn_shape(config))
     row["matmul_peak_gflops"] = round(peak, 1)
     for tag in ("eager", "compiled"):
         row[f"{tag}_of_peak"] = round(flops * row[f"{tag}_docs_per_s"] / len(texts) / 1e9 / peak, 3)

@@ -10,7 +10,7 @@ Contenders (all on this machine, model loaded before timing):
 
 * (a) ``SentenceTransformer(model).encode(texts)`` with default settings (``--model``: a
   sentence-transformers folder, by default the packaged MiniLM; ``bench/base_models.py``
-  saves one of all-mpnet-base-v2's architecture and size);
+  saves all-mpnet-base-v2's or msmarco-distilbert-base-v4's architecture and size);
 * (b) ``Embedder`` with default settings (``dtype auto``, pooler ``mean``);
 * (b0, ``--unfused``) the same Embedder running transformers' own forward instead of the fused
   CPU one (``pipeline.fused_bert``), for the fused forward's gain in the same run;
@@ -62,6 +62,7 @@ import torch  # noqa: E402
 import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
 from bench.peak import matmul_peak  # noqa: E402
 from bench.speed import cpu_flags, measured_run  # noqa: E402
+from pipeline import bert_family  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder, get_embedder  # noqa: E402
@@ -137,12 +138,20 @@ def timed(fn: Callable[[], object]) -> tuple[object, float]:
 
 
 def encoder_flops(lengths: np.ndarray, config, attention: bool = True) -> float:
-    """Forward FLOPs of a BERT-style encoder over rows of ``lengths`` real tokens (no padding):
-    its products (projections, FFN) and, with ``attention``, the attention's own."""
-    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    """Forward FLOPs of a BERT-family encoder (``pipeline.bert_family``) over rows of
+    ``lengths`` real tokens (no padding): its products (projections, FFN) and, with
+    ``attention``, the attention's own."""
+    dims = bert_family.dims(config)
+    h, i, layers = dims.hidden, dims.inner, dims.layers
     n = lengths.astype(np.float64)
     per_layer = 8 * n * h * h + 4 * n * h * i + (4 * n * n * h if attention else 0)
     return float(layers * per_layer.sum())
+
+
+def ffn_shape(config) -> tuple[int, int]:
+    """(hidden, inner) of a BERT-family encoder: the shape its matmul peak is measured in."""
+    dims = bert_family.dims(config)
+    return dims.hidden, dims.inner
 
 
 def min_cosine(x: np.ndarray, y: np.ndarray) -> float:
@@ -268,7 +277,7 @@ def bench(args: argparse.Namespace) -> dict:
     # (pipeline/torch_thread.py), as a user's script, alone in its process, never sees
     st = on_torch_thread(SentenceTransformer, args.model, device=info.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
-    peak = on_torch_thread(matmul_peak, dtype, config.hidden_size, config.intermediate_size)
+    peak = on_torch_thread(matmul_peak, dtype, *ffn_shape(config))
     report["encoder"] = info.__dict__ | {"token_budget": embedder.encoder.token_budget,
                                          "max_batch_rows": embedder.encoder.max_batch_rows,
                                          "fp32_kernel": embedder.encoder.fp32_kernel,

@@ -3,8 +3,9 @@
     python bench/encoder_ceiling.py [--short 3000 --long 300 --rounds 3]
 
 Encodes the texts of bench/encode_bench.py (the same sample for the same options) with the
-Embedder (packaged MiniLM, ``dtype auto``, the fused CPU forward), timing each of the forward's
-products as it runs, and prints per text set, against the matmul peak measured in the same run:
+Embedder (packaged MiniLM or ``--model``, ``dtype auto``, the fused CPU forward), timing each
+of the forward's products as it runs, and prints per text set, against the matmul peak measured
+in the same run:
 
 * ``encoder``: the model's FLOPs over the real tokens / the encode's time (encode_bench's
   "% of peak");
@@ -31,7 +32,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
-from bench.encode_bench import add_text_args, encoder_flops, load_texts, real_lengths  # noqa: E402
+from bench.encode_bench import (  # noqa: E402
+    add_text_args,
+    encoder_flops,
+    ffn_shape,
+    load_texts,
+    real_lengths,
+)
 from bench.peak import matmul_peak  # noqa: E402
 from bench.speed import cpu_flags  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
@@ -118,13 +125,15 @@ def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_text_args(parser, short=3000, long=300)
+    parser.add_argument("--model", default=None, help="a sentence-transformers model folder "
+                        "of a fused architecture (default: the packaged MiniLM)")
     args = parser.parse_args(argv)
-    embedder = Embedder(EncoderConfig(device="cpu"), [PoolerSpec(name="mean")])
+    embedder = Embedder(EncoderConfig(model=args.model, device="cpu"), [PoolerSpec(name="mean")])
     if not embedder.encoder.fused:
         raise SystemExit("the fused CPU forward does not run here: nothing to time")
     config = embedder.encoder.model.config
     dtype = DTYPES[embedder.info.dtype]
-    peak = on_torch_thread(matmul_peak, dtype, config.hidden_size, config.intermediate_size)
+    peak = on_torch_thread(matmul_peak, dtype, *ffn_shape(config))
     texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder)
     embedder.encode((texts["short"] or texts["long"])[:64])  # warm
     report = {"cpu_flags": cpu_flags(), "dtype": embedder.info.dtype,

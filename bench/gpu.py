@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from bench.encode_bench import (  # noqa: E402
     add_text_args,
     encoder_flops,
+    ffn_shape,
     load_texts,
     min_cosine,
     real_lengths,
@@ -253,7 +254,7 @@ def bench(args: argparse.Namespace) -> dict:
     config = probe.encoder.model.config
     report["dtype_auto"] = probe.info.dtype
     report["peak_dense_tflops"] = gpu_peak(8192, 8192, 8192)
-    report["peak_ffn_tflops"] = gpu_peak(65536, config.hidden_size, config.intermediate_size)
+    report["peak_ffn_tflops"] = gpu_peak(65536, *ffn_shape(config))
     print(f"{report['machine']['gpu']}: dense bf16 peak {report['peak_dense_tflops']:.0f} "
           f"TFLOP/s, FFN-shaped {report['peak_ffn_tflops']:.0f}; auto dtype "
           f"{probe.info.dtype}", flush=True)

@@ -92,20 +92,29 @@ def test_product_rows_take_fourteen_sizes_up_to_8192() -> None:
 def test_shaped_batches_fill_their_product_rows(
     lengths: list[int], budget: int, max_rows: int, min_fill: float
 ) -> None:
-    """With a shape, a batch takes rows past max_rows only while its padded tokens stay within
-    the product rows its first max_rows would take anyway, and the budget."""
+    """With a shape, a batch takes rows past max_rows and past its min_fill cut only while its
+    padded tokens stay within the product rows the cut batch takes anyway, and the budget; and
+    fills those rows: fewer than one of its rows' worth is left to zeros (where the budget and
+    the texts left allow)."""
     arr = np.array(lengths, dtype=np.int64)
     batches = token_budget_batches(arr, budget, max_rows, min_fill, shape=product_rows)
     flat = np.concatenate(batches) if batches else np.array([], dtype=np.int64)
     assert sorted(flat.tolist()) == list(range(len(lengths)))
+    left = len(lengths)
     for batch in batches:
+        left -= len(batch)
         longest = int(arr[batch].max())
         padded = len(batch) * longest
         assert len(batch) == 1 or padded <= budget
-        if len(batch) > max_rows:
-            assert padded <= product_rows(min(max_rows, budget // longest) * longest)
-        if min_fill and len(batch) > 1:
-            assert arr[batch].mean() >= min_fill * longest
+        cut = min(max_rows, budget // longest) or 1  # the rows before the min_fill cut
+        if min_fill:
+            ordered = np.sort(arr[batch])[::-1]
+            means = np.cumsum(ordered) / np.arange(1, len(batch) + 1)
+            cut = min(cut, max(1, int((means >= min_fill * longest).sum())))
+        computed = product_rows(cut * longest)
+        assert padded <= max(computed, longest)
+        if left and computed <= budget:
+            assert computed - padded < longest, "the product rows left to zeros"
     assert token_budget_batches(arr, budget, max_rows, min_fill, shape=lambda n: n) == [] or all(
         np.array_equal(a, b) for a, b in zip(
             token_budget_batches(arr, budget, max_rows, min_fill, shape=lambda n: n),
