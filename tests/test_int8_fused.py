@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import build_tiny_bert
 
 import pipeline.embedder
 from pipeline.config import EncoderConfig, PoolerSpec
@@ -152,6 +153,21 @@ def test_int8_fused_gives_every_layer_to_layer_poolers(tiny_model_dir: Path, cac
     fp32, int8 = embedder(tiny_model_dir, "fp32", spec), embedder(tiny_model_dir, "int8", spec)
     cosine = row_cosines(fp32.encode(TEXTS), int8.encode(TEXTS))
     assert cosine.min() > 0.95
+
+
+@needs_int8
+@pytest.mark.parametrize("kind", ["mpnet", "distilbert"])
+def test_int8_runs_fused_for_the_other_architectures_it_fuses(
+    kind: str, tmp_path: Path, cache: Path
+) -> None:
+    """MPNet (its relative position bias beside the int8 products) and DistilBERT (its own
+    layer names) take oneDNN's int8 path as BERT does; a text's vector does not depend on its
+    batch-mates."""
+    model = build_tiny_bert(tmp_path / kind, kind=kind)
+    fp32, int8 = embedder(model, "fp32"), embedder(model, "int8")
+    assert isinstance(int8.encoder.model, FusedBert) and int8.encoder.model.int8
+    check_int8_vectors(fp32, int8, "-onednn-int8-ffn")
+    check_text_alone(int8)
 
 
 @needs_int8
