@@ -1,7 +1,8 @@
-"""What tells apart the encoders ``pipeline.fused_bert`` runs: BERT, RoBERTa / XLM-RoBERTa,
-MPNet and DistilBERT share one layer (projections, attention, post-LayerNorm residuals, a GELU
-feed-forward) and differ in their configs' and state dicts' names, in how they number positions
-and in MPNet's relative position bias, each as transformers' own model has it:
+"""What tells apart the encoders ``pipeline.fused_bert`` runs: BERT, RoBERTa (and XLM-RoBERTa,
+CamemBERT: RoBERTa's model under other names), MPNet and DistilBERT share one layer
+(projections, attention, post-LayerNorm residuals, a GELU feed-forward) and differ in their
+configs' and state dicts' names, in how they number positions and in MPNet's relative position
+bias, each as transformers' own model has it:
 
 * BERT numbers positions from 0 and adds token type embeddings;
 * RoBERTa numbers real tokens from ``pad_token_id + 1`` (padding keeps ``pad_token_id``);
@@ -31,9 +32,10 @@ import torch
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
 
-FUSABLE_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "mpnet", "distilbert"})
-CHECKPOINT_PREFIX = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta",
-                     "mpnet": "mpnet", "distilbert": "distilbert"}  # base model in task models
+ROBERTA_TYPES = frozenset({"roberta", "xlm-roberta", "camembert"})  # transformers' RoBERTa
+FUSABLE_TYPES = frozenset({"bert", "mpnet", "distilbert"}) | ROBERTA_TYPES
+CHECKPOINT_PREFIX = {"bert": "bert", "mpnet": "mpnet", "distilbert": "distilbert"} | {
+    kind: "roberta" for kind in ROBERTA_TYPES}  # the base model's name inside task models
 MPNET_PADDING_IDX = 1  # MPNetEmbeddings numbers positions from this, whatever the config says
 MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128  # MPNetEncoder.compute_position_bias's, fixed there
 DISTILBERT_EPS = 1e-12  # DistilBERT's LayerNorms', fixed in its model (no config field)
@@ -135,7 +137,7 @@ def position_padding(config: ModelConfig) -> int | None:
     or None where they are numbered from 0 (BERT)."""
     if config.model_type == "mpnet":
         return MPNET_PADDING_IDX
-    return int(config.pad_token_id) if config.model_type in ("roberta", "xlm-roberta") else None
+    return int(config.pad_token_id) if config.model_type in ROBERTA_TYPES else None
 
 
 class RelativeBias(torch.nn.Module):

@@ -35,13 +35,13 @@ packed for oneDNN once the encoder fixed the dtype, ``FusedBert.pack``), read by
 states match transformers' within float rounding (tested), bf16 ones pass the same cosine >=
 0.9999 check against fp32.
 
-Used on a CPU for ``model_type`` bert / roberta / xlm-roberta with absolute positions and GELU,
-for distilbert and for mpnet (its relative position bias added to the padding mask; what tells
-them apart: ``pipeline.bert_family``), when no pooler needs attention weights (those run
-transformers' eager attention), and not with ``--compile`` (which takes the transformers model).
-``dtype int8`` runs it too (``to_int8``) where oneDNN's int8 product and bf16 run natively
-here, else takes the transformers model to ONNX Runtime (``pipeline.quantize``). A GPU keeps
-transformers' forward and SDPA's fused kernels.
+Used on a CPU for ``model_type`` bert / roberta / xlm-roberta / camembert with absolute positions
+and GELU, for distilbert and for mpnet (its relative position bias added to the padding mask;
+what tells them apart: ``pipeline.bert_family``), when no pooler needs attention weights (those
+run transformers' eager attention), and not with ``--compile`` (which takes the transformers
+model). ``dtype int8`` runs it too (``to_int8``) where oneDNN's int8 product and bf16 run
+natively here, else takes the transformers model to ONNX Runtime (``pipeline.quantize``). A GPU
+keeps transformers' forward and SDPA's fused kernels.
 """
 
 from __future__ import annotations

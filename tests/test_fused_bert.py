@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from transformers import (
     BertConfig,
     BertModel,
+    CamembertConfig,
+    CamembertModel,
     DistilBertConfig,
     DistilBertModel,
     MPNetConfig,
@@ -39,6 +41,8 @@ def tiny(kind: str = "bert", **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "roberta":
         return RobertaModel(RobertaConfig(pad_token_id=1, **shape)).eval()
+    if kind == "camembert":  # RoBERTa's model under CamemBERT's name
+        return CamembertModel(CamembertConfig(pad_token_id=1, **shape)).eval()
     if kind == "mpnet":
         model = MPNetModel(MPNetConfig(**shape), add_pooling_layer=False).eval()
         with torch.no_grad():  # a relative position bias that matters (initialised ~0.02)
@@ -71,7 +75,7 @@ def real(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return states[mask.bool()]
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet", "distilbert"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "camembert", "mpnet", "distilbert"])
 @pytest.mark.parametrize("onednn_fp32", [True, False])
 def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32: bool) -> None:
     model = tiny(kind)
@@ -85,7 +89,7 @@ def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32:
         torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "mpnet", "distilbert"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "camembert", "mpnet", "distilbert"])
 def test_the_weights_it_reads_are_the_models_own_names_and_shapes(kind: str) -> None:
     """``weight_shapes`` names every weight of the model's state dict (none left unread, none
     invented), in its shape; ``dims`` reads the same sizes from the live config and from its
@@ -95,8 +99,9 @@ def test_the_weights_it_reads_are_the_models_own_names_and_shapes(kind: str) -> 
            if not name.startswith("pooler.")}  # BERT's and RoBERTa's pooler: not read
     assert bert_family.weight_shapes(model.config) == own
     recorded_config = RecordedConfig(**recorded.config_attributes(model.config))
-    want = bert_family.Dims(48, 4, 3, 96, "gelu", 1e-12, 120, 80,
-                            {"bert": 2, "roberta": 2}.get(kind, 0), 32 if kind == "mpnet" else 0)
+    token_types = 0 if kind in ("mpnet", "distilbert") else 2
+    want = bert_family.Dims(48, 4, 3, 96, "gelu", 1e-12, 120, 80, token_types,
+                            32 if kind == "mpnet" else 0)
     assert bert_family.dims(model.config) == bert_family.dims(recorded_config) == want
     assert recorded_config.hidden_size == 48  # DistilBERT's ``dim``, as its config answers
 
@@ -349,6 +354,7 @@ def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None
 @pytest.mark.parametrize(("kind", "overrides", "expected"), [
     ("bert", {}, True),
     ("roberta", {}, True),
+    ("camembert", {}, True),
     ("mpnet", {}, True),
     ("distilbert", {}, True),
     ("distilbert", {"sinusoidal_pos_embds": True}, True),  # the sinusoid is its stored table

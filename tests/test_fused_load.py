@@ -14,6 +14,8 @@ from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertModel,
+    CamembertConfig,
+    CamembertForMaskedLM,
     DistilBertConfig,
     DistilBertForMaskedLM,
     DistilBertModel,
@@ -46,6 +48,8 @@ def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
     model = {"bert": lambda: BertModel(BertConfig(**shape)),
              "bert-for-mlm": lambda: BertForMaskedLM(BertConfig(**shape)),  # keys "bert.*"
              "roberta": lambda: RobertaModel(RobertaConfig(**shape)),
+             "camembert-for-mlm":  # RoBERTa's model and "roberta.*" names under CamemBERT's type
+                 lambda: CamembertForMaskedLM(CamembertConfig(**shape)),
              "mpnet": lambda: MPNetModel(MPNetConfig(**shape)),
              "mpnet-for-mlm": lambda: MPNetForMaskedLM(MPNetConfig(**shape)),  # "mpnet.*"
              "distilbert": lambda: DistilBertModel(distilbert),
@@ -66,8 +70,8 @@ def states(encoder: Encoder) -> tuple[list[torch.Tensor], torch.Tensor]:
     return [out.hidden[i] for i in sorted(layers)], mask
 
 
-@pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta", "mpnet", "mpnet-for-mlm",
-                                  "distilbert", "distilbert-for-mlm"])
+@pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta", "camembert-for-mlm", "mpnet",
+                                  "mpnet-for-mlm", "distilbert", "distilbert-for-mlm"])
 def test_weights_read_from_safetensors_give_transformers_states(tmp_path: Path, kind: str) -> None:
     folder = save_tiny(tmp_path, kind)
     files = loader.read_model_files(str(folder))
