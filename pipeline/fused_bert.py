@@ -128,10 +128,9 @@ class Embeddings(torch.nn.Module):
 class FusedLayer(torch.nn.Module):
     """One transformer layer: fused projections, blocked attention, post-LayerNorm residuals."""
 
-    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
+    def __init__(self, dims: bert_family.Dims, state: Mapping[str, torch.Tensor],
                  onednn_fp32: bool) -> None:
         super().__init__()
-        dims = bert_family.dims(config)
         heads, eps = dims.heads, dims.eps
         scale = (dims.hidden // heads) ** -0.5
         self.qkv = _concat([(_linear(state, "attention.self.query"), scale),
@@ -233,13 +232,13 @@ class FusedBert(torch.nn.Module):
         self.dtype: torch.dtype | None = None  # fixed by ``pack``: else autocast's, or fp32
         self.int8 = False  # ``to_int8``
         self.shaped = False  # products over ``product_rows`` rows: where oneDNN runs them all
-        state = bert_family.bert_names(config, state)
+        state, dims = bert_family.bert_names(config, state), bert_family.dims(config)
         self.embeddings = Embeddings(config, state)
         relative = state.get(bert_family.RELATIVE_BIAS)
         self.relative = None if relative is None else bert_family.RelativeBias(relative)
         self.layers = torch.nn.ModuleList(
-            FusedLayer(config, _under(state, f"encoder.layer.{i}."), onednn_fp32)
-            for i in range(bert_family.dims(config).layers))
+            FusedLayer(dims, _under(state, f"encoder.layer.{i}."), onednn_fp32)
+            for i in range(dims.layers))
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, onednn_fp32: bool) -> FusedBert:
