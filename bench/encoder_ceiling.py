@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
 from bench.encode_bench import (  # noqa: E402
+    add_model_arg,
     add_text_args,
     encoder_flops,
     ffn_shape,
@@ -125,8 +126,7 @@ def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_text_args(parser, short=3000, long=300)
-    parser.add_argument("--model", default=None, help="a sentence-transformers model folder "
-                        "of a fused architecture (default: the packaged MiniLM)")
+    add_model_arg(parser)  # of an architecture the fused forward runs
     args = parser.parse_args(argv)
     embedder = Embedder(EncoderConfig(model=args.model, device="cpu"), [PoolerSpec(name="mean")])
     if not embedder.encoder.fused:

@@ -152,7 +152,10 @@ class Encoder:
             runner = self.model.config._attn_implementation
         model_key = f"{self.files_hash}-{runner}-{self.fp32_kernel}"
         self.dtype = choose_dtype(cfg.dtype, self.device, self._check_dtype, model_key)
-        inner = int(getattr(self.model.config, "intermediate_size", 4 * self.hidden_size))
+        if self.fused:  # its sizes under whatever names its config uses (DistilBERT's own)
+            inner = self.model.dims.inner
+        else:
+            inner = int(getattr(self.model.config, "intermediate_size", 4 * self.hidden_size))
         self.token_budget, self.max_batch_rows = batch_limits(
             cfg, self.device, self.hidden_size, inner, self.dtype)
         self.model_hash = quantized_hash(self.files_hash, self.int8_kernel)

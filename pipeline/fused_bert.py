@@ -97,7 +97,8 @@ class Embeddings(torch.nn.Module):
     from the padding index + 1 over real tokens, padding keeping the index, as transformers'
     ``create_position_ids_from_input_ids`` does."""
 
-    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], eps: float
+                 ) -> None:
         super().__init__()
         def table(name: str) -> torch.nn.Embedding:
             return torch.nn.Embedding.from_pretrained(state[f"embeddings.{name}.weight"],
@@ -107,7 +108,7 @@ class Embeddings(torch.nn.Module):
             "position_embeddings")
         types = "embeddings.token_type_embeddings.weight" in state  # not MPNet's, DistilBERT's
         self.token_type_embeddings = table("token_type_embeddings") if types else None
-        self.norm = _layer_norm(state, "embeddings.LayerNorm", bert_family.dims(config).eps)
+        self.norm = _layer_norm(state, "embeddings.LayerNorm", eps)
         self.padding_idx = bert_family.position_padding(config)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
@@ -233,7 +234,8 @@ class FusedBert(torch.nn.Module):
         self.int8 = False  # ``to_int8``
         self.shaped = False  # products over ``product_rows`` rows: where oneDNN runs them all
         state, dims = bert_family.bert_names(config, state), bert_family.dims(config)
-        self.embeddings = Embeddings(config, state)
+        self.dims = dims  # its sizes, whatever its config calls them
+        self.embeddings = Embeddings(config, state, dims.eps)
         relative = state.get(bert_family.RELATIVE_BIAS)
         self.relative = None if relative is None else bert_family.RelativeBias(relative)
         self.layers = torch.nn.ModuleList(

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from pipeline.config import EncoderConfig
-from pipeline.encoder import Encoder
+from pipeline.encoder import Encoder, batch_limits
 from pipeline.models import loader
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -111,3 +111,20 @@ def test_weights_transformers_would_rename_or_refuse_are_left_to_it(tmp_path: Pa
     assert loader.read_bert_weights(files, wider) is None  # shapes it would refuse
     deeper = config.__class__.from_dict(config.to_dict() | {"num_hidden_layers": 3})
     assert loader.read_bert_weights(files, deeper) is None  # a layer it would leave random
+
+
+def test_a_fused_model_sizes_its_cpu_batches_by_its_own_ffn_width(tmp_path: Path) -> None:
+    """A DistilBERT whose feed-forward (``hidden_dim``, no ``intermediate_size`` in its config)
+    is 64x its width: the CPU batches shrink until that activation fits the cache, as for a
+    BERT of that width, not as for the 4x a config without the field was assumed to have."""
+    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
+    config = DistilBertConfig(vocab_size=tokenizer.vocab_size, dim=32, n_layers=1, n_heads=2,
+                              hidden_dim=2048, max_position_embeddings=64)
+    DistilBertModel(config).eval().save_pretrained(tmp_path)
+    tokenizer.model_max_length = 64
+    tokenizer.save_pretrained(tmp_path)
+    for _ in range(2):  # loaded through transformers, then from its record
+        encoder = Encoder(EncoderConfig(model=str(tmp_path), device="cpu", dtype="fp32"))
+        assert encoder.fused and not hasattr(encoder.model.config, "intermediate_size")
+        assert (encoder.token_budget, encoder.max_batch_rows) == batch_limits(
+            EncoderConfig(), encoder.device, 32, 2048, "fp32") == (2048, 64)
