@@ -208,14 +208,16 @@ class Encoder:
 
     def _fp32_kernel(self) -> str:
         """``onednn`` where this CPU runs fp32 products faster through oneDNN (see
-        ``pipeline.onednn``; for the fused forward, at least as fast: there oneDNN's product
-        also adds the bias and applies GELU), else ``default``. Not where the torch model is
+        ``pipeline.onednn``; for the fused forward, its up product over a packed weight with
+        the bias and GELU in its epilogue at least as fast as MKL's then GELU), else
+        ``default``. Not where the torch model is
         handed on (int8's ONNX export traces it, Inductor picks its own kernels)."""
         from pipeline.hardware import cpu_fp32_onednn_is_faster
         from pipeline.onednn import FUSED_MIN_GAIN, MIN_GAIN
 
         gain = FUSED_MIN_GAIN if self.fused else MIN_GAIN
-        if self.device.type != "cpu" or self._handed_on or not cpu_fp32_onednn_is_faster(gain):
+        if (self.device.type != "cpu" or self._handed_on
+                or not cpu_fp32_onednn_is_faster(gain, fused=self.fused)):
             return "default"
         return "onednn"
 

@@ -181,7 +181,8 @@ class FusedLayer(torch.nn.Module):
                 continue
             if packs(dtype, self.onednn_fp32):
                 gelu = self.gelu if name == "up" else None
-                setattr(self, name, PackedLinear(linear, dtype, gelu))
+                apart = dtype == torch.float32 and hardware.fp32_gelu_apart()
+                setattr(self, name, PackedLinear(linear, dtype, gelu, gelu_apart=apart))
             else:
                 linear.to(dtype)
 

@@ -33,6 +33,12 @@ from pathlib import Path
 from pipeline.settings import cache_root
 
 CAPPED_ISA = "AVX512_CORE_BF16"
+# the probe's fp32 figures timed only where this torch has oneDNN's fp32 product (else None):
+# oneDNN's over a plain weight, and an up product with its bias and GELU: MKL's then ATen's
+# GELU, oneDNN's with the GELU in its epilogue, and oneDNN's then ATen's GELU in place
+FP32_KERNEL_FIGURES = ("fp32_onednn_gflops", "fp32_gelu_gflops", "fp32_onednn_gelu_gflops",
+                       "fp32_onednn_gelu_apart_gflops")
+GELU_APART_MIN_GAIN = 1.05  # a GELU pass after the product must win by this (``fp32_gelu_apart``)
 # what caps oneDNN's, ATen's and MKL's CPU kernels below what the CPU has
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
             "MKL_ENABLE_INSTRUCTIONS")
@@ -43,15 +49,25 @@ ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY":
 _PROBE = r"""
 import json, time, torch
 torch.manual_seed(0)
-a, b = torch.randn(512, 384), torch.randn(384, 1536)
+a, b, bias = torch.randn(512, 384), torch.randn(384, 1536), torch.randn(1536)
 a16, b16, w = a.bfloat16(), b.bfloat16(), b.t().contiguous()
 kernels = {"fp32_gflops": lambda: a @ b, "bf16_gflops": lambda: a16 @ b16}
 for kernel in kernels.values():
     kernel()  # bf16 on AMX that traps dies here: no line, and the caller probes again capped
-try:  # fp32 through oneDNN's inner product (pipeline.onednn), where this torch has it
-    torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
-    kernels["fp32_onednn_gflops"] = lambda: torch.ops.mkldnn._linear_pointwise(
-        a, w, None, "none", [], "")
+linear_pointwise = torch.ops.mkldnn._linear_pointwise
+try:  # fp32 through oneDNN's inner product (pipeline.onednn), where this torch has it: over a
+    # plain weight (a model's own Linear), and as the fused forward's up product runs it
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    for kernel in (lambda: linear_pointwise(a, w, None, "none", [], ""),
+                   lambda: linear_pointwise(a, packed, bias, "gelu", [], "none")):
+        kernel()
+    kernels |= {
+        "fp32_onednn_gflops": lambda: linear_pointwise(a, w, None, "none", [], ""),
+        "fp32_gelu_gflops": lambda: torch.nn.functional.gelu(torch.addmm(bias, a, b)),
+        "fp32_onednn_gelu_gflops": lambda: linear_pointwise(a, packed, bias, "gelu", [], "none"),
+        "fp32_onednn_gelu_apart_gflops": lambda: torch.ops.aten.gelu_(
+            linear_pointwise(a, packed, bias, "none", [], "")),
+    }
 except (RuntimeError, AttributeError):
     pass
 # the kernels take turns, 5 products each, for ~1.2 s; the best round of each counts: a load that
@@ -85,12 +101,12 @@ def cpu_key() -> str:
 
 
 def _cache_file() -> Path:
-    return cache_root() / f"cpu-probe-v2-{cpu_key()}.json"  # v2: fp32 through oneDNN too
+    return cache_root() / f"cpu-probe-v3-{cpu_key()}.json"  # v3: the fused up product too
 
 
 def _run_probe(env: dict[str, str]) -> dict | None:
     """The probe's figures; None when it died before bf16 was measured (oneDNN's bf16 trapped).
-    A failure of the oneDNN fp32 timing alone leaves ``fp32_onednn_gflops`` None."""
+    A failure of the oneDNN fp32 timings alone leaves their figures None."""
     try:
         done = subprocess.run(
             [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120
@@ -98,7 +114,7 @@ def _run_probe(env: dict[str, str]) -> dict | None:
         out = done.stdout
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-    figures: dict = {"fp32_onednn_gflops": None}
+    figures: dict = dict.fromkeys(FP32_KERNEL_FIGURES)
     for line in out.splitlines():
         figures.update(json.loads(line))
     return figures if "bf16_gflops" in figures else None
@@ -113,14 +129,14 @@ def _measure() -> dict:
     capped = _run_probe(env)
     traps = not os.environ.get("ONEDNN_MAX_CPU_ISA")
     if capped is None:
-        return {"fp32_gflops": None, "bf16_gflops": None, "fp32_onednn_gflops": None,
+        return {"fp32_gflops": None, "bf16_gflops": None, **dict.fromkeys(FP32_KERNEL_FIGURES),
                 "bf16_ok": False, "amx_traps": traps}
     return {**capped, "bf16_ok": True, "amx_traps": traps}
 
 
 @lru_cache(maxsize=1)
 def cpu_profile() -> dict:
-    """{'fp32_gflops', 'bf16_gflops', 'fp32_onednn_gflops', 'bf16_ok', 'amx_traps'} for this
+    """{'fp32_gflops', 'bf16_gflops', the ``FP32_KERNEL_FIGURES``, 'bf16_ok', 'amx_traps'} for this
     machine (cached)."""
     cache = _cache_file()
     if cache.exists():
@@ -179,9 +195,32 @@ def cpu_bf16_is_faster() -> bool:
     return profile["bf16_gflops"] > 1.2 * profile["fp32_gflops"]
 
 
-def cpu_fp32_onednn_is_faster(min_gain: float) -> bool:
+def cpu_fp32_onednn_is_faster(min_gain: float, fused: bool = False) -> bool:
     """True when fp32 products run through oneDNN at ``min_gain`` times torch's default (MKL)
-    speed here, or faster (see ``pipeline.onednn``)."""
+    speed here, or faster (see ``pipeline.onednn``): as a model's own Linear runs them (a plain
+    weight, no epilogue), or, ``fused``, as the fused forward's up product runs (a packed
+    weight, its bias and GELU in oneDNN's epilogue or after it, ``fp32_gelu_apart``, against
+    MKL's ``addmm`` then ``gelu``)."""
     profile = cpu_profile()
-    onednn, default = profile.get("fp32_onednn_gflops"), profile.get("fp32_gflops")
+    if fused:
+        in_epilogue, apart = _onednn_up_figures(profile)
+        onednn = apart if fp32_gelu_apart() else in_epilogue
+        default = profile.get("fp32_gelu_gflops")
+    else:
+        onednn, default = profile.get("fp32_onednn_gflops"), profile.get("fp32_gflops")
     return bool(onednn and default and onednn >= min_gain * default)
+
+
+def fp32_gelu_apart() -> bool:
+    """Whether oneDNN's fp32 up product runs faster here with its GELU as a pass of ATen's
+    after it than in its epilogue (``pipeline.onednn.PackedLinear``): where oneDNN's kernels
+    run AVX2 only, its epilogue's erf cost 8.5 ms over a [4,096 x 1,536] output, ATen's pass 4
+    (2-core Xeon VM capped to AVX2; with AVX-512 the epilogue won, 14.7 against 15.5 ms)."""
+    with_epilogue, apart = _onednn_up_figures(cpu_profile())
+    return apart > GELU_APART_MIN_GAIN * with_epilogue
+
+
+def _onednn_up_figures(profile: dict) -> tuple[float, float]:
+    """The probe's oneDNN up product, GELU in its epilogue and apart (0 where not timed)."""
+    return (profile.get("fp32_onednn_gelu_gflops") or 0.0,
+            profile.get("fp32_onednn_gelu_apart_gflops") or 0.0)

@@ -14,7 +14,12 @@ faster, the encoder's Linear layers become ``OneDnnLinear``: fp32 inputs go thro
 The fused forward (``pipeline.fused_bert``) calls oneDNN's product itself and takes it where it
 runs at least as fast as MKL's (``FUSED_MIN_GAIN``): there oneDNN also adds the bias and applies
 GELU in the product, where MKL's ``addmm`` first copies the bias into its [rows, out] output (a
-pass over memory at 8,192-token batches) and GELU is a pass of its own. With oneDNN and MKL
+pass over memory at 8,192-token batches) and GELU is a pass of its own. The probe weighs the two
+as the forward runs its up product (a packed weight, bias and GELU: ``fp32_onednn_gelu_gflops``
+against ``addmm`` then ``gelu``), not bare: on a 2-core AMX Xeon VM the bare products ran 373
+(oneDNN, plain weight) against 405 GFLOP/s (MKL), which kept MKL, while with the epilogue
+oneDNN won (312-354 against 179-318), and MiniLM's fp32 forward ran 300 long texts in
+6.14-6.21 s instead of 6.59-7.26. With oneDNN and MKL
 capped to AVX2 on that EPYC (the probe: oneDNN 230, MKL 203 GFLOP/s, 1.13x), MiniLM's fused
 fp32 forward ran 3,000 summaries in 5.45-5.75 s instead of 5.87-6.18 and 300 long texts in
 10.8-11.1 s instead of 11.8-12.0. Its products take their weights packed once into the
@@ -68,15 +73,18 @@ class PackedLinear(torch.nn.Module):
     weight, bit for bit (tested): only the reorder, which oneDNN's kernel otherwise repeats on
     every call, is gone. A [6,144 x 384] x [384 x 1,536] bf16 product took 12.8 ms over the
     plain weight and 10.7 ms over the packed one (oneDNN's verbose log, 2-core AVX512-BF16 EPYC
-    VM)."""
+    VM). ``gelu_apart``: the GELU as ATen's pass in place after the product instead, where that
+    was measured faster (``pipeline.hardware.fp32_gelu_apart``)."""
 
-    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype, gelu: str | None = None
-                 ) -> None:
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype, gelu: str | None = None,
+                 gelu_apart: bool = False) -> None:
         super().__init__()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(dtype),
                                                               None)
         self.bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        self.post_op, self.algorithm = ("gelu", gelu) if gelu else ("none", "")
+        in_epilogue = gelu is not None and not gelu_apart
+        self.post_op, self.algorithm = ("gelu", gelu) if in_epilogue else ("none", "")
+        self.gelu_after = gelu if gelu is not None and gelu_apart else None
         self.dtype, self.in_features, self.out_features = (dtype, linear.in_features,
                                                            linear.out_features)
 
@@ -85,9 +93,12 @@ class PackedLinear(torch.nn.Module):
         epilogue (oneDNN's binary post-op) where given."""
         x = x.to(self.dtype)
         if residual is None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.post_op,
-                                                      [], self.algorithm)
-        if self.post_op != "none":
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.post_op,
+                                                     [], self.algorithm)
+            if self.gelu_after is not None:
+                torch.ops.aten.gelu_(out, approximate=self.gelu_after)
+            return out
+        if self.post_op != "none" or self.gelu_after is not None:
             raise ValueError("a residual add follows no activation in one product")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias,
                                                          "add")

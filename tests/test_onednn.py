@@ -35,14 +35,16 @@ TEXTS = ["a tiny text", "another one, a little longer than the first", "x " * 60
 def test_the_probe_times_fp32_through_onednn_too() -> None:
     figures = hardware._run_probe(dict(os.environ))  # the real probe, in its own process
     assert figures is not None
-    assert figures["fp32_onednn_gflops"] > 0 and figures["fp32_gflops"] > 0
+    assert figures["fp32_gflops"] > 0
+    assert all(figures[name] > 0 for name in hardware.FP32_KERNEL_FIGURES)
 
 
 def test_onednn_is_used_only_where_the_probe_measured_it_faster(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def profile(onednn: float | None):
-        monkeypatch.setattr(hardware, "cpu_profile",
-                            lambda: {"fp32_gflops": 200.0, "fp32_onednn_gflops": onednn})
+    def profile(onednn: float | None, onednn_gelu: float | None = None):
+        monkeypatch.setattr(hardware, "cpu_profile", lambda: {
+            "fp32_gflops": 200.0, "fp32_onednn_gflops": onednn,
+            "fp32_gelu_gflops": 150.0, "fp32_onednn_gelu_gflops": onednn_gelu})
     profile(200.0 * MIN_GAIN)
     assert hardware.cpu_fp32_onednn_is_faster(MIN_GAIN)
     profile(200.0 * MIN_GAIN * 0.99)  # about as fast: keep torch's default, bit for bit
@@ -50,6 +52,15 @@ def test_onednn_is_used_only_where_the_probe_measured_it_faster(
     assert hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN)
     profile(None)  # a torch without oneDNN, or a probe that could not time it
     assert not hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN)
+    # the fused forward weighs its up product as it runs it: bias and GELU included
+    profile(190.0, onednn_gelu=160.0)  # bare a little slower, with its epilogue faster
+    assert not hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN)
+    assert hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN, fused=True)
+    profile(210.0, onednn_gelu=140.0)
+    assert hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN)
+    assert not hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN, fused=True)
+    profile(210.0, onednn_gelu=None)
+    assert not hardware.cpu_fp32_onednn_is_faster(FUSED_MIN_GAIN, fused=True)
 
 
 def test_a_onednn_linear_is_the_linear_in_fp32_and_exactly_it_otherwise() -> None:
@@ -93,6 +104,9 @@ def test_packed_linears_compute_the_linears_products(dtype: torch.dtype) -> None
         gelu = PackedLinear(plain[0], dtype, gelu="tanh")(x)
         torch.testing.assert_close(gelu, F.gelu(want[0], approximate="tanh"), atol=1e-2,
                                    rtol=1e-2)
+        for approximate in ("none", "tanh"):  # ATen's GELU after the product: exactly that
+            apart = PackedLinear(plain[0], dtype, gelu=approximate, gelu_apart=True)
+            assert torch.equal(apart(x), F.gelu(want[0], approximate=approximate))
         residual = torch.randn(3, 5, 64).to(dtype)
         with_residual = torch.ops.mkldnn._linear_pointwise.binary(x, residual, plain[0].weight,
                                                                    plain[0].bias, "add")
@@ -103,6 +117,8 @@ def test_packed_linears_compute_the_linears_products(dtype: torch.dtype) -> None
             torch.testing.assert_close(with_residual, want[0] + residual, atol=2e-2, rtol=2e-2)
         with pytest.raises(ValueError, match="residual"):
             PackedLinear(plain[0], dtype, gelu="none")(x, residual)
+        with pytest.raises(ValueError, match="residual"):
+            PackedLinear(plain[0], dtype, gelu="none", gelu_apart=True)(x, residual)
 
 
 def test_a_model_that_keeps_its_own_forward_is_packed_once_its_dtype_is_fixed(
@@ -130,10 +146,15 @@ def test_a_model_that_keeps_its_own_forward_is_packed_once_its_dtype_is_fixed(
 
 def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def embedder(onednn_gflops: float, pooler: str = "mean") -> Embedder:
+    def embedder(onednn_gflops: float, pooler: str = "mean", apart_gflops: float = 0.0
+                 ) -> Embedder:
+        """oneDNN's up product with its GELU in its epilogue weighed as its bare product,
+        with ATen's GELU after it at ``apart_gflops`` (MKL's with GELU: the bare one's 200)."""
         monkeypatch.setattr(hardware, "cpu_profile", lambda: {
             "fp32_gflops": 200.0, "fp32_onednn_gflops": onednn_gflops, "bf16_gflops": 200.0,
-            "bf16_ok": True, "amx_traps": False})
+            "fp32_gelu_gflops": 200.0, "fp32_onednn_gelu_gflops": onednn_gflops,
+            "fp32_onednn_gelu_apart_gflops": apart_gflops, "bf16_ok": True,
+            "amx_traps": False})
         cfg = EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu")
         return Embedder(cfg, [PoolerSpec(name=pooler)])
 
@@ -156,12 +177,23 @@ def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
     assert fast.fingerprint("mean") == default.fingerprint("mean")  # the same set
     assert not any(isinstance(m, OneDnnLinear) for m in fast.encoder.model.modules())
     assert all(layer.onednn_fp32 for layer in fast.encoder.model.layers)
+    assert {layer.up.gelu_after for layer in fast.encoder.model.layers} == {None}
+    # where ATen's GELU after oneDNN's product won (oneDNN on AVX2), it runs that way, and
+    # where that alone beats MKL, oneDNN is chosen for it
+    for epilogue in (260.0, 190.0):
+        apart = embedder(epilogue, apart_gflops=epilogue * 1.2)
+        assert apart.encoder.fp32_kernel == "onednn"
+        assert {layer.up.gelu_after for layer in apart.encoder.model.layers} == {"none"}
+        np.testing.assert_allclose(apart.encode(TEXTS), default.encode(TEXTS), atol=1e-6)
+    close = embedder(260.0, apart_gflops=260.0 * 1.02)  # within the probe's noise
+    assert {layer.up.gelu_after for layer in close.encoder.model.layers} == {None}
 
 
 @pytest.mark.parametrize(("dies_after", "expected"), [
     (1, None),  # bf16 never measured: taken as a trap (the caller re-probes with AMX capped)
-    (2, {"fp32_gflops": 1.0, "bf16_gflops": 2.0, "fp32_onednn_gflops": None}),
-    (3, {"fp32_gflops": 1.0, "bf16_gflops": 2.0, "fp32_onednn_gflops": 3.0}),
+    (2, {"fp32_gflops": 1.0, "bf16_gflops": 2.0} | dict.fromkeys(hardware.FP32_KERNEL_FIGURES)),
+    (3, {"fp32_gflops": 1.0, "bf16_gflops": 2.0} | dict.fromkeys(hardware.FP32_KERNEL_FIGURES)
+     | {"fp32_onednn_gflops": 3.0}),
 ])
 def test_the_probe_output_is_read_line_by_line(
         monkeypatch: pytest.MonkeyPatch, dies_after: int, expected: dict | None) -> None:
