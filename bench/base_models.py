@@ -2,6 +2,7 @@
 
     python bench/base_models.py mpnet /tmp/mpnet-base
     python bench/base_models.py distilbert /tmp/distilbert-base
+    python bench/base_models.py electra /tmp/electra-small
     python bench/encode_bench.py --model /tmp/mpnet-base --short 2000 --long 200
 
 * ``mpnet``: all-mpnet-base-v2 (sentence-transformers' best general model by its own table),
@@ -10,6 +11,9 @@
 * ``distilbert``: msmarco-distilbert-base-v4 (and multi-qa-distilbert's shape), DistilBERT:
   768 wide, 6 layers of 12 heads, 3,072 inner, no token types, mean pooling, texts cut at 350
   tokens.
+* ``electra``: ELECTRA-small's discriminator (transformers' ElectraConfig defaults): 128-wide
+  embeddings widened to 256-wide layers, 12 layers of 4 heads, 1,024 inner, mean pooling,
+  texts cut at 256 tokens.
 
 Nothing downloads here, so this saves the shape with random weights (speed does not depend on
 the weights) and the packaged MiniLM's tokenizer (WordPiece, uncased, as both models'; token
@@ -23,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-MAX_TOKENS = {"mpnet": 384, "distilbert": 350}
-NORMALIZED = {"mpnet": True, "distilbert": False}
+MAX_TOKENS = {"mpnet": 384, "distilbert": 350, "electra": 256}
+NORMALIZED = {"mpnet": True, "distilbert": False, "electra": False}
 
 
 def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
@@ -42,6 +46,8 @@ def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
         AutoTokenizer,
         DistilBertConfig,
         DistilBertModel,
+        ElectraConfig,
+        ElectraModel,
         MPNetConfig,
         MPNetModel,
     )
@@ -50,8 +56,10 @@ def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     if arch == "mpnet":  # base: 768 x 12 layers, 3,072 inner
         model = MPNetModel(MPNetConfig(vocab_size=tokenizer.vocab_size), add_pooling_layer=False)
-    else:  # base: 768 x 6 layers, 3,072 inner
+    elif arch == "distilbert":  # base: 768 x 6 layers, 3,072 inner
         model = DistilBertModel(DistilBertConfig(vocab_size=tokenizer.vocab_size))
+    else:  # small: 128-wide embeddings, 256 x 12 layers, 1,024 inner
+        model = ElectraModel(ElectraConfig(vocab_size=tokenizer.vocab_size))
     with tempfile.TemporaryDirectory(prefix=f"{arch}-") as base:
         model.eval().save_pretrained(base)
         tokenizer.save_pretrained(base)

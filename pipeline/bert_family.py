@@ -1,5 +1,5 @@
 """What tells apart the encoders ``pipeline.fused_bert`` runs: BERT, RoBERTa (and XLM-RoBERTa,
-CamemBERT: RoBERTa's model under other names), MPNet and DistilBERT share one layer
+CamemBERT: RoBERTa's model under other names), MPNet, DistilBERT and ELECTRA share one layer
 (projections, attention, post-LayerNorm residuals, a GELU feed-forward) and differ in their
 configs' and state dicts' names, in how they number positions and in MPNet's relative position
 bias, each as transformers' own model has it:
@@ -13,7 +13,10 @@ bias, each as transformers' own model has it:
 * DistilBERT numbers positions from 0 (a learned table, or a sinusoid stored in it), has no
   token types, keeps its layers under ``transformer.layer`` with parts of its own names
   (``attention.q_lin`` ... ``ffn.lin2``), and calls its sizes ``dim``, ``n_heads``,
-  ``hidden_dim``, its activation ``activation``; its LayerNorm epsilon is fixed in its model.
+  ``hidden_dim``, its activation ``activation``; its LayerNorm epsilon is fixed in its model;
+* ELECTRA is BERT whose input embeddings may be narrower than its layers
+  (``embedding_size``): then a Linear (``embeddings_project``) widens them after their
+  LayerNorm.
 
 ``FusedBert`` reads its sizes from ``dims`` and its weights under BERT's names (``bert_names``)
 whatever the checkpoint calls them (``weight_shapes``: the model's own names, read by
@@ -33,13 +36,14 @@ if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
 
 ROBERTA_TYPES = frozenset({"roberta", "xlm-roberta", "camembert"})  # transformers' RoBERTa
-FUSABLE_TYPES = frozenset({"bert", "mpnet", "distilbert"}) | ROBERTA_TYPES
-CHECKPOINT_PREFIX = {"bert": "bert", "mpnet": "mpnet", "distilbert": "distilbert"} | {
+FUSABLE_TYPES = frozenset({"bert", "mpnet", "distilbert", "electra"}) | ROBERTA_TYPES
+CHECKPOINT_PREFIX = {kind: kind for kind in ("bert", "mpnet", "distilbert", "electra")} | {
     kind: "roberta" for kind in ROBERTA_TYPES}  # the base model's name inside task models
 MPNET_PADDING_IDX = 1  # MPNetEmbeddings numbers positions from this, whatever the config says
 MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128  # MPNetEncoder.compute_position_bias's, fixed there
 DISTILBERT_EPS = 1e-12  # DistilBERT's LayerNorms', fixed in its model (no config field)
 RELATIVE_BIAS = "encoder.relative_attention_bias.weight"
+EMBEDDINGS_PROJECT = "embeddings_project"  # ELECTRA's, where its embeddings are narrower
 _LAYERS = "encoder.layer."  # BERT's; DistilBERT's: _OWN_LAYERS
 _OWN_LAYERS = {"distilbert": "transformer.layer."}
 _OWN_PARTS = {  # BERT's name of a layer's part -> the model's own, where it differs
@@ -71,6 +75,7 @@ class Dims:
     positions: int
     token_types: int  # 0: the model adds none (MPNet, DistilBERT)
     buckets: int  # MPNet's relative position buckets; 0 elsewhere
+    embedding: int  # the input embeddings' width: ``hidden`` but in a narrower ELECTRA
 
 
 def dims(config: ModelConfig) -> Dims:
@@ -78,26 +83,31 @@ def dims(config: ModelConfig) -> Dims:
     if config.model_type == "distilbert":
         return Dims(int(config.dim), int(config.n_heads), int(config.n_layers),
                     int(config.hidden_dim), config.activation, DISTILBERT_EPS,
-                    int(config.vocab_size), int(config.max_position_embeddings), 0, 0)
-    mpnet = config.model_type == "mpnet"
-    return Dims(int(config.hidden_size), int(config.num_attention_heads),
+                    int(config.vocab_size), int(config.max_position_embeddings), 0, 0,
+                    int(config.dim))
+    mpnet, hidden = config.model_type == "mpnet", int(config.hidden_size)
+    return Dims(hidden, int(config.num_attention_heads),
                 int(config.num_hidden_layers), int(config.intermediate_size), config.hidden_act,
                 float(config.layer_norm_eps), int(config.vocab_size),
                 int(config.max_position_embeddings), 0 if mpnet else int(config.type_vocab_size),
-                int(config.relative_attention_num_buckets) if mpnet else 0)
+                int(config.relative_attention_num_buckets) if mpnet else 0,
+                int(config.embedding_size) if config.model_type == "electra" else hidden)
 
 
 def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The weights ``FusedBert`` reads for ``config``'s model, under BERT's names."""
     d = dims(config)
-    hidden = d.hidden
-    shapes = {"embeddings.word_embeddings.weight": (d.vocab, hidden),
-              "embeddings.position_embeddings.weight": (d.positions, hidden)}
+    hidden, width = d.hidden, d.embedding
+    shapes = {"embeddings.word_embeddings.weight": (d.vocab, width),
+              "embeddings.position_embeddings.weight": (d.positions, width)}
     if d.buckets:
         shapes[RELATIVE_BIAS] = (d.buckets, d.heads)
     if d.token_types:
-        shapes["embeddings.token_type_embeddings.weight"] = (d.token_types, hidden)
-    shapes |= {"embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
+        shapes["embeddings.token_type_embeddings.weight"] = (d.token_types, width)
+    shapes |= {"embeddings.LayerNorm.weight": (width,), "embeddings.LayerNorm.bias": (width,)}
+    if width != hidden:
+        shapes |= {f"{EMBEDDINGS_PROJECT}.weight": (hidden, width),
+                   f"{EMBEDDINGS_PROJECT}.bias": (hidden,)}
     parts = {"attention.self.query": (hidden, hidden), "attention.self.key": (hidden, hidden),
              "attention.self.value": (hidden, hidden), "attention.output.dense": (hidden, hidden),
              "attention.output.LayerNorm": (hidden,), "intermediate.dense": (d.inner, hidden),

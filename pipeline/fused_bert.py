@@ -35,13 +35,13 @@ packed for oneDNN once the encoder fixed the dtype, ``FusedBert.pack``), read by
 states match transformers' within float rounding (tested), bf16 ones pass the same cosine >=
 0.9999 check against fp32.
 
-Used on a CPU for ``model_type`` bert / roberta / xlm-roberta / camembert with absolute positions
-and GELU, for distilbert and for mpnet (its relative position bias added to the padding mask;
-what tells them apart: ``pipeline.bert_family``), when no pooler needs attention weights (those
-run transformers' eager attention), and not with ``--compile`` (which takes the transformers
-model). ``dtype int8`` runs it too (``to_int8``) where oneDNN's int8 product and bf16 run
-natively here, else takes the transformers model to ONNX Runtime (``pipeline.quantize``). A GPU
-keeps transformers' forward and SDPA's fused kernels.
+Used on a CPU for ``model_type`` bert / roberta / xlm-roberta / camembert / electra with
+absolute positions and GELU, for distilbert and for mpnet (its relative position bias added to
+the padding mask; what tells them apart: ``pipeline.bert_family``), when no pooler needs
+attention weights (those run transformers' eager attention), and not with ``--compile`` (which
+takes the transformers model). ``dtype int8`` runs it too (``to_int8``) where oneDNN's int8
+product and bf16 run natively here, else takes the transformers model to ONNX Runtime
+(``pipeline.quantize``). A GPU keeps transformers' forward and SDPA's fused kernels.
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ class FusedOutput:
 
 class Embeddings(torch.nn.Module):
     """The input embeddings: word + token type (where the model has them) + position, then
-    LayerNorm. Positions count from 0, or (RoBERTa, MPNet: ``bert_family.position_padding``)
-    from the padding index + 1 over real tokens, padding keeping the index, as transformers'
+    LayerNorm, then (a narrower ELECTRA) the Linear that widens them to the layers'. Positions
+    count from 0, or (RoBERTa, MPNet: ``bert_family.position_padding``) from the padding index
+    + 1 over real tokens, padding keeping the index, as transformers'
     ``create_position_ids_from_input_ids`` does."""
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], eps: float
@@ -109,6 +110,8 @@ class Embeddings(torch.nn.Module):
         types = "embeddings.token_type_embeddings.weight" in state  # not MPNet's, DistilBERT's
         self.token_type_embeddings = table("token_type_embeddings") if types else None
         self.norm = _layer_norm(state, "embeddings.LayerNorm", eps)
+        project = f"{bert_family.EMBEDDINGS_PROJECT}.weight" in state
+        self.project = _linear(state, bert_family.EMBEDDINGS_PROJECT) if project else None
         self.padding_idx = bert_family.position_padding(config)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
@@ -123,7 +126,8 @@ class Embeddings(torch.nn.Module):
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)
             x = x + self.token_type_embeddings(token_type_ids)
-        return self.norm(x + self.position_embeddings(positions))
+        x = self.norm(x + self.position_embeddings(positions))
+        return x if self.project is None else self.project(x)
 
 
 class FusedLayer(torch.nn.Module):

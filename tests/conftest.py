@@ -37,7 +37,8 @@ TINY_MAX_POSITIONS = 128
 def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
     """Save a 2-layer, 32-wide BERT (or with ``kind`` "mpnet" an MPNet, as in
     all-mpnet-base-v2: no SDPA in transformers, no token type ids; with "distilbert" a
-    DistilBERT: no token type ids) with the packaged MiniLM tokenizer into ``target``."""
+    DistilBERT: no token type ids; with "electra" an ELECTRA whose 16-wide embeddings are
+    widened to its layers) with the packaged MiniLM tokenizer into ``target``."""
     import json
 
     import torch
@@ -48,6 +49,8 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
         BertModel,
         DistilBertConfig,
         DistilBertModel,
+        ElectraConfig,
+        ElectraModel,
         MPNetConfig,
         MPNetModel,
     )
@@ -66,6 +69,9 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
         model = DistilBertModel(DistilBertConfig(
             vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
             max_position_embeddings=TINY_MAX_POSITIONS, pad_token_id=tokenizer.pad_token_id))
+    elif kind == "electra":
+        model = ElectraModel(ElectraConfig(**shape, embedding_size=16,
+                                           max_position_embeddings=TINY_MAX_POSITIONS))
     else:
         model = BertModel(BertConfig(**shape, max_position_embeddings=TINY_MAX_POSITIONS))
     model.eval().save_pretrained(target)

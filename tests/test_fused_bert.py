@@ -15,6 +15,8 @@ from transformers import (
     CamembertModel,
     DistilBertConfig,
     DistilBertModel,
+    ElectraConfig,
+    ElectraModel,
     MPNetConfig,
     MPNetModel,
     RobertaConfig,
@@ -50,6 +52,8 @@ def tiny(kind: str = "bert", **overrides) -> torch.nn.Module:
         return model
     if kind == "distilbert":
         return DistilBertModel(distilbert_config(**shape)).eval()
+    if kind == "electra":  # embeddings narrower than its layers, widened by a Linear
+        return ElectraModel(ElectraConfig(**{"embedding_size": 24} | shape)).eval()
     return BertModel(BertConfig(**shape)).eval()
 
 
@@ -75,7 +79,8 @@ def real(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return states[mask.bool()]
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "camembert", "mpnet", "distilbert"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "camembert", "mpnet", "distilbert",
+                                  "electra"])
 @pytest.mark.parametrize("onednn_fp32", [True, False])
 def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32: bool) -> None:
     model = tiny(kind)
@@ -89,7 +94,8 @@ def test_fp32_states_match_the_models_own_at_every_layer(kind: str, onednn_fp32:
         torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "camembert", "mpnet", "distilbert"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "camembert", "mpnet", "distilbert",
+                                  "electra"])
 def test_the_weights_it_reads_are_the_models_own_names_and_shapes(kind: str) -> None:
     """``weight_shapes`` names every weight of the model's state dict (none left unread, none
     invented), in its shape; ``dims`` reads the same sizes from the live config and from its
@@ -101,9 +107,22 @@ def test_the_weights_it_reads_are_the_models_own_names_and_shapes(kind: str) -> 
     recorded_config = RecordedConfig(**recorded.config_attributes(model.config))
     token_types = 0 if kind in ("mpnet", "distilbert") else 2
     want = bert_family.Dims(48, 4, 3, 96, "gelu", 1e-12, 120, 80, token_types,
-                            32 if kind == "mpnet" else 0)
+                            32 if kind == "mpnet" else 0, 24 if kind == "electra" else 48)
     assert bert_family.dims(model.config) == bert_family.dims(recorded_config) == want
     assert recorded_config.hidden_size == 48  # DistilBERT's ``dim``, as its config answers
+
+
+def test_an_electra_as_wide_as_its_layers_reads_no_projection() -> None:
+    model = tiny("electra", embedding_size=48)
+    assert not hasattr(model, "embeddings_project")
+    assert bert_family.EMBEDDINGS_PROJECT + ".weight" not in bert_family.weight_shapes(
+        model.config)
+    ids, mask = batch()
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = FusedBert.from_model(model, False)(ids, mask).last_hidden_state
+    assert FusedBert.from_model(model, False).embeddings.project is None
+    torch.testing.assert_close(real(got, mask), real(want, mask), atol=2e-5, rtol=1e-4)
 
 
 def test_distilbert_with_sinusoidal_positions_matches_its_own_forward() -> None:
@@ -359,6 +378,9 @@ def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None
     ("distilbert", {}, True),
     ("distilbert", {"sinusoidal_pos_embds": True}, True),  # the sinusoid is its stored table
     ("distilbert", {"hidden_act": "relu"}, False),
+    ("electra", {}, True),
+    ("electra", {"embedding_size": 48}, True),  # as wide as its layers: no projection
+    ("electra", {"position_embedding_type": "relative_key"}, False),
     ("bert", {"hidden_act": "relu"}, False),
     ("bert", {"position_embedding_type": "relative_key"}, False),
     ("bert", {"is_decoder": True}, False),

@@ -19,6 +19,9 @@ from transformers import (
     DistilBertConfig,
     DistilBertForMaskedLM,
     DistilBertModel,
+    ElectraConfig,
+    ElectraForPreTraining,
+    ElectraModel,
     MPNetConfig,
     MPNetForMaskedLM,
     MPNetModel,
@@ -44,6 +47,7 @@ def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
     distilbert = DistilBertConfig(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=2,
                                   hidden_dim=64, max_position_embeddings=96,
                                   pad_token_id=tokenizer.pad_token_id)
+    electra = ElectraConfig(**shape | {"embedding_size": 16})
     torch.manual_seed(3)
     model = {"bert": lambda: BertModel(BertConfig(**shape)),
              "bert-for-mlm": lambda: BertForMaskedLM(BertConfig(**shape)),  # keys "bert.*"
@@ -53,7 +57,9 @@ def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
              "mpnet": lambda: MPNetModel(MPNetConfig(**shape)),
              "mpnet-for-mlm": lambda: MPNetForMaskedLM(MPNetConfig(**shape)),  # "mpnet.*"
              "distilbert": lambda: DistilBertModel(distilbert),
-             "distilbert-for-mlm": lambda: DistilBertForMaskedLM(distilbert)}[kind]()
+             "distilbert-for-mlm": lambda: DistilBertForMaskedLM(distilbert),
+             "electra": lambda: ElectraModel(electra),
+             "electra-discriminator": lambda: ElectraForPreTraining(electra)}[kind]()
     model.eval().save_pretrained(folder)
     if not safetensors:  # the older pickled checkpoint (transformers 5 saves safetensors only)
         torch.save(model.state_dict(), folder / "pytorch_model.bin")
@@ -71,7 +77,8 @@ def states(encoder: Encoder) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta", "camembert-for-mlm", "mpnet",
-                                  "mpnet-for-mlm", "distilbert", "distilbert-for-mlm"])
+                                  "mpnet-for-mlm", "distilbert", "distilbert-for-mlm", "electra",
+                                  "electra-discriminator"])
 def test_weights_read_from_safetensors_give_transformers_states(tmp_path: Path, kind: str) -> None:
     folder = save_tiny(tmp_path, kind)
     files = loader.read_model_files(str(folder))

@@ -156,13 +156,13 @@ def test_int8_fused_gives_every_layer_to_layer_poolers(tiny_model_dir: Path, cac
 
 
 @needs_int8
-@pytest.mark.parametrize("kind", ["mpnet", "distilbert"])
+@pytest.mark.parametrize("kind", ["mpnet", "distilbert", "electra"])
 def test_int8_runs_fused_for_the_other_architectures_it_fuses(
     kind: str, tmp_path: Path, cache: Path
 ) -> None:
-    """MPNet (its relative position bias beside the int8 products) and DistilBERT (its own
-    layer names) take oneDNN's int8 path as BERT does; a text's vector does not depend on its
-    batch-mates."""
+    """MPNet (its relative position bias beside the int8 products), DistilBERT (its own
+    layer names) and ELECTRA (its embeddings widened in fp32 before the int8 layers) take
+    oneDNN's int8 path as BERT does; a text's vector does not depend on its batch-mates."""
     model = build_tiny_bert(tmp_path / kind, kind=kind)
     fp32, int8 = embedder(model, "fp32"), embedder(model, "int8")
     assert isinstance(int8.encoder.model, FusedBert) and int8.encoder.model.int8

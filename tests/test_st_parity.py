@@ -125,14 +125,15 @@ def test_seed_poolers_read_token_states_and_model_head_applies_the_modules(
     assert row_cosines(vectors["cls"][:, :12], expected).min() < 0.99  # not the model's head
 
 
-@pytest.mark.parametrize("kind", ["mpnet", "distilbert"])
+@pytest.mark.parametrize("kind", ["mpnet", "distilbert", "electra"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
-def test_mpnet_and_distilbert_match_sentence_transformers(
+def test_mpnet_distilbert_and_electra_match_sentence_transformers(
         tmp_path: Path, texts: list[str], monkeypatch: pytest.MonkeyPatch, kind: str,
         fused: bool) -> None:
     """MPNet, all-mpnet-base-v2's architecture (positions after its padding id, no token
-    types, a relative position bias in every layer's attention), and DistilBERT (msmarco- and
-    multi-qa-distilbert's: its own config and weight names, no token types), through the fused
+    types, a relative position bias in every layer's attention), DistilBERT (msmarco- and
+    multi-qa-distilbert's: its own config and weight names, no token types) and ELECTRA (its
+    embeddings narrower than its layers, widened by a Linear), through the fused
     forward and, where that does not run (a pooler reading attention weights), through
     transformers' own model, which for MPNet has no SDPA (eager attention)."""
     from sentence_transformers import SentenceTransformer
