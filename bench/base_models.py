@@ -3,6 +3,7 @@
     python bench/base_models.py mpnet /tmp/mpnet-base
     python bench/base_models.py distilbert /tmp/distilbert-base
     python bench/base_models.py electra /tmp/electra-small
+    python bench/base_models.py modernbert /tmp/modernbert-base
     python bench/encode_bench.py --model /tmp/mpnet-base --short 2000 --long 200
 
 * ``mpnet``: all-mpnet-base-v2 (sentence-transformers' best general model by its own table),
@@ -14,6 +15,11 @@
 * ``electra``: ELECTRA-small's discriminator (transformers' ElectraConfig defaults): 128-wide
   embeddings widened to 256-wide layers, 12 layers of 4 heads, 1,024 inner, mean pooling,
   texts cut at 256 tokens.
+* ``modernbert``: ModernBERT-base (gte-modernbert-base's and modernbert-embed-base's
+  architecture; transformers' ModernBertConfig defaults): 768 wide, 22 pre-norm layers of 12
+  heads with rotary positions, every third attending globally and the rest within 128
+  tokens, a gated 1,152-wide GELU feed-forward, no biases; mean pooling, texts cut at 512
+  tokens. The fused forward does not run it: transformers' forward does.
 
 Nothing downloads here, so this saves the shape with random weights (speed does not depend on
 the weights) and the packaged MiniLM's tokenizer (WordPiece, uncased, as both models'; token
@@ -27,8 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-MAX_TOKENS = {"mpnet": 384, "distilbert": 350, "electra": 256}
-NORMALIZED = {"mpnet": True, "distilbert": False, "electra": False}
+MAX_TOKENS = {"mpnet": 384, "distilbert": 350, "electra": 256, "modernbert": 512}
+NORMALIZED = {"mpnet": True, "distilbert": False, "electra": False, "modernbert": False}
 
 
 def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
@@ -48,6 +54,8 @@ def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
         DistilBertModel,
         ElectraConfig,
         ElectraModel,
+        ModernBertConfig,
+        ModernBertModel,
         MPNetConfig,
         MPNetModel,
     )
@@ -58,8 +66,14 @@ def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
         model = MPNetModel(MPNetConfig(vocab_size=tokenizer.vocab_size), add_pooling_layer=False)
     elif arch == "distilbert":  # base: 768 x 6 layers, 3,072 inner
         model = DistilBertModel(DistilBertConfig(vocab_size=tokenizer.vocab_size))
-    else:  # small: 128-wide embeddings, 256 x 12 layers, 1,024 inner
+    elif arch == "electra":  # small: 128-wide embeddings, 256 x 12 layers, 1,024 inner
         model = ElectraModel(ElectraConfig(vocab_size=tokenizer.vocab_size))
+    else:  # base: 768 x 22 layers, 1,152 inner (gated), the tokenizer's special ids
+        ids = {name: getattr(tokenizer, name) for name in (
+            "pad_token_id", "cls_token_id", "sep_token_id")}
+        model = ModernBertModel(ModernBertConfig(
+            vocab_size=tokenizer.vocab_size, bos_token_id=ids["cls_token_id"],
+            eos_token_id=ids["sep_token_id"], **ids))
     with tempfile.TemporaryDirectory(prefix=f"{arch}-") as base:
         model.eval().save_pretrained(base)
         tokenizer.save_pretrained(base)

@@ -138,18 +138,37 @@ def timed(fn: Callable[[], object]) -> tuple[object, float]:
 
 
 def encoder_flops(lengths: np.ndarray, config, attention: bool = True) -> float:
-    """Forward FLOPs of a BERT-family encoder (``pipeline.bert_family``) over rows of
-    ``lengths`` real tokens (no padding): its products (projections, FFN) and, with
+    """Forward FLOPs of a BERT-family encoder (``pipeline.bert_family``) or a ModernBERT over
+    rows of ``lengths`` real tokens (no padding): its products (projections, FFN) and, with
     ``attention``, the attention's own."""
+    n = lengths.astype(np.float64)
+    if config.model_type == "modernbert":
+        return _modernbert_flops(n, config, attention)
     dims = bert_family.dims(config)
     h, i, layers = dims.hidden, dims.inner, dims.layers
-    n = lengths.astype(np.float64)
     per_layer = 8 * n * h * h + 4 * n * h * i + (4 * n * n * h if attention else 0)
     return float(layers * per_layer.sum())
 
 
+def _modernbert_flops(n: np.ndarray, config, attention: bool) -> float:
+    """ModernBERT's: a gated feed-forward (its first product twice as wide as the inner size);
+    its ``full_attention`` layers (``layer_types``) attend over the whole row, the others
+    within ``local_attention`` tokens (half each way)."""
+    h, i = config.hidden_size, config.intermediate_size
+    products = float((8 * n * h * h + 6 * n * h * i).sum())
+    total = 0.0
+    for kind in config.layer_types:
+        local = kind != "full_attention"
+        keys = np.minimum(n, config.local_attention + 1) if local else n
+        total += products + (float((4 * n * keys * h).sum()) if attention else 0.0)
+    return total
+
+
 def ffn_shape(config) -> tuple[int, int]:
-    """(hidden, inner) of a BERT-family encoder: the shape its matmul peak is measured in."""
+    """(hidden, inner) of the encoder's first FFN product: the shape its matmul peak is
+    measured in."""
+    if config.model_type == "modernbert":  # gated: both halves in one product
+        return config.hidden_size, 2 * config.intermediate_size
     dims = bert_family.dims(config)
     return dims.hidden, dims.inner
 
