@@ -403,14 +403,17 @@ def bench_flow(args: argparse.Namespace, texts: dict, embedder: Embedder, report
 
 def unfused_embedder(dtype: str, model: str) -> Embedder:
     """An Embedder like (b) whose encoder runs transformers' forward, not the fused one."""
-    from pipeline import fused_bert
+    from pipeline import fused_bert, fused_modernbert
 
-    fusable = fused_bert.fusable
-    fused_bert.fusable = lambda model, device: False
+    modules = (fused_bert, fused_modernbert)
+    kept = [module.fusable for module in modules]
+    for module in modules:
+        module.fusable = lambda model, device: False
     try:
         return Embedder(EncoderConfig(model=model, dtype=dtype), [PoolerSpec(name="mean")])
     finally:
-        fused_bert.fusable = fusable
+        for module, fusable in zip(modules, kept, strict=True):
+            module.fusable = fusable
 
 
 def table(report: dict) -> str:

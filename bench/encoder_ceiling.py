@@ -44,20 +44,20 @@ from bench.peak import matmul_peak  # noqa: E402
 from bench.speed import cpu_flags  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder  # noqa: E402
-from pipeline.fused_bert import FusedLayer  # noqa: E402
+from pipeline.fused_bert import ProductLayer  # noqa: E402
 from pipeline.torch_thread import on_torch_thread  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ProductTimer:
-    """Wraps ``FusedLayer._product``: the seconds each product took (a residual add in its
+    """Wraps ``ProductLayer._product``: the seconds each product took (a residual add in its
     epilogue included) and what it multiplied."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[torch.Size, torch.nn.Module, torch.dtype, bool,
                                torch.dtype | None, float]] = []
-        self._original = FusedLayer._product
+        self._original = ProductLayer._product
 
     def __enter__(self) -> ProductTimer:
         original = self._original
@@ -70,11 +70,11 @@ class ProductTimer:
                                time.perf_counter() - start))
             return out
 
-        FusedLayer._product = timed
+        ProductLayer._product = timed
         return self
 
     def __exit__(self, *exc: object) -> None:
-        FusedLayer._product = self._original
+        ProductLayer._product = self._original
 
     def seconds(self) -> float:
         return sum(call[-1] for call in self.calls)
@@ -84,7 +84,7 @@ class ProductTimer:
                    for shape, layer, *_ in self.calls)
 
 
-def replay(calls: list, fused_layer: FusedLayer) -> float:
+def replay(calls: list, layer_of_model: ProductLayer) -> float:
     """Seconds the products of ``calls`` take back to back, on random inputs of their shapes."""
     inputs = [(torch.randn(shape).to(dtype),
                None if added is None else torch.randn(*shape[:-1], layer.out_features).to(added))
@@ -92,7 +92,7 @@ def replay(calls: list, fused_layer: FusedLayer) -> float:
     with torch.inference_mode():
         start = time.perf_counter()
         for (x, residual), (_, layer, dtype, activation, *_) in zip(inputs, calls, strict=True):
-            FusedLayer._product(fused_layer, x, layer, dtype, activation, residual)
+            ProductLayer._product(layer_of_model, x, layer, dtype, activation, residual)
         return time.perf_counter() - start
 
 
@@ -108,7 +108,7 @@ def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> d
         if best is None or seconds < best[0]:
             best = (seconds, timer)
     seconds, timer = best
-    layer = next(m for m in model.modules() if isinstance(m, FusedLayer))
+    layer = next(m for m in model.modules() if isinstance(m, ProductLayer))
     alone = min(on_torch_thread(replay, timer.calls, layer) for _ in range(rounds))
     products, padded = timer.seconds(), timer.flops()
     model_products = encoder_flops(lengths, model.config, attention=False)

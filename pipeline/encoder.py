@@ -200,11 +200,14 @@ class Encoder:
         return "onnxruntime"
 
     def _fuses(self, config: recorded.ModelConfig, need_attention: bool) -> bool:
-        """Whether ``FusedBert`` runs the model: it computes what the model does (a CPU, a
-        BERT-family model), no attention weights are wanted and the model is not handed on."""
-        from pipeline.fused_bert import fusable
+        """Whether ``FusedBert`` or ``FusedModernBert`` runs the model: it computes what the
+        model does (a CPU, a BERT-family model or a ModernBERT), no attention weights are
+        wanted and the model is not handed on."""
+        from pipeline import fused_bert, fused_modernbert
 
-        return not (need_attention or self._handed_on) and fusable(config, self.device)
+        return not (need_attention or self._handed_on) and (
+            fused_bert.fusable(config, self.device) or fused_modernbert.fusable(config,
+                                                                                self.device))
 
     def _fp32_kernel(self) -> str:
         """``onednn`` where this CPU runs fp32 products faster through oneDNN (see
@@ -222,20 +225,23 @@ class Encoder:
         return "onednn"
 
     def _load_model(self, config: recorded.ModelConfig, need_attention: bool) -> torch.nn.Module:
-        """A ``FusedBert`` where it runs the model (``_fuses``), its weights read without
-        transformers' model classes where the files allow; else transformers' model, its fp32
-        Linear layers through oneDNN where that kernel won."""
+        """A ``FusedBert`` (or ``FusedModernBert``) where it runs the model (``_fuses``), a
+        BERT-family model's weights read without transformers' model classes where the files
+        allow; else transformers' model, its fp32 Linear layers through oneDNN where that
+        kernel won."""
         from pipeline.fused_bert import FusedBert
+        from pipeline.fused_modernbert import FusedModernBert
 
         trust = self.cfg.trust_remote_code
         eager = need_attention or self.int8_kernel == "onnxruntime"
         onednn = self.fp32_kernel == "onednn"
         if self.fused:
-            state = loader.read_bert_weights(self.files, config)
+            modern = config.model_type == "modernbert"
+            state = None if modern else loader.read_bert_weights(self.files, config)
             if state is None:
                 config = loader.transformers_config(config, self.files, trust)
                 state = loader.load_transformer(self.files, trust, eager, config).state_dict()
-            return FusedBert(config, state, onednn_fp32=onednn)
+            return (FusedModernBert if modern else FusedBert)(config, state, onednn_fp32=onednn)
         config = loader.transformers_config(config, self.files, trust)
         model = loader.load_transformer(self.files, trust, eager, config)
         if onednn:

@@ -109,9 +109,9 @@ class Embeddings(torch.nn.Module):
             "position_embeddings")
         types = "embeddings.token_type_embeddings.weight" in state  # not MPNet's, DistilBERT's
         self.token_type_embeddings = table("token_type_embeddings") if types else None
-        self.norm = _layer_norm(state, "embeddings.LayerNorm", eps)
+        self.norm = layer_norm_from(state, "embeddings.LayerNorm", eps)
         project = f"{bert_family.EMBEDDINGS_PROJECT}.weight" in state
-        self.project = _linear(state, bert_family.EMBEDDINGS_PROJECT) if project else None
+        self.project = linear_from(state, bert_family.EMBEDDINGS_PROJECT) if project else None
         self.padding_idx = bert_family.position_padding(config)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
@@ -130,61 +130,27 @@ class Embeddings(torch.nn.Module):
         return x if self.project is None else self.project(x)
 
 
-class FusedLayer(torch.nn.Module):
-    """One transformer layer: fused projections, blocked attention, post-LayerNorm residuals."""
+class ProductLayer(torch.nn.Module):
+    """A layer whose Linears (``PRODUCTS``, GELU after ``GELU_PRODUCT``'s) run as the fused
+    forward runs them: packed for oneDNN once the dtype is fixed, the bias, GELU or a residual
+    add in the product's epilogue where oneDNN runs it. Subclasses set ``gelu`` (oneDNN's
+    algorithm name) and ``onednn_fp32``."""
 
-    def __init__(self, dims: bert_family.Dims, state: Mapping[str, torch.Tensor],
-                 onednn_fp32: bool) -> None:
-        super().__init__()
-        heads, eps = dims.heads, dims.eps
-        scale = (dims.hidden // heads) ** -0.5
-        self.qkv = _concat([(_linear(state, "attention.self.query"), scale),
-                            (_linear(state, "attention.self.key"), 1.0),
-                            (_linear(state, "attention.self.value"), 1.0)])
-        self.out_proj = _linear(state, "attention.output.dense")
-        self.norm1 = _layer_norm(state, "attention.output.LayerNorm", eps)
-        self.up, self.down = _linear(state, "intermediate.dense"), _linear(state, "output.dense")
-        self.norm2 = _layer_norm(state, "output.LayerNorm", eps)
-        self.heads, self.gelu, self.onednn_fp32 = heads, GELU[dims.activation], onednn_fp32
-        self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
-
-    def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
-        """The layer over ``x``: [tokens, hidden], the batch's ``shape`` (rows, width) flat, then
-        rows of zeros up to its product rows (``FusedBert.forward``), which stay finite."""
-        rows, width = shape
-        qkv = self._linear(x, self.qkv, dtype)
-        q, k, v = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        context = qkv.new_empty((len(x), qkv.shape[1] // 3))
-        context[rows * width:] = 0
-        attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
-        x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x))
-        return self.norm2(self._feed_forward(x, dtype))
-
-    def _feed_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``x`` + the FFN's output."""
-        if self.ffn is not None:
-            return self.ffn(x)
-        inner = self._linear(x, self.up, dtype, activation=True)
-        return self._linear(inner, self.down, dtype, residual=x)
-
-    def to_int8(self) -> None:
-        """Query/key/value, the attention output and the FFN (``pipeline.int8_ffn``, settled
-        once calibrated) in int8."""
-        self.qkv, self.out_proj = Int8Linear(self.qkv), Int8Linear(self.out_proj)
-        self.ffn = Int8FeedForward(self.up, self.down, self.gelu)
-        self.up = self.down = None
+    PRODUCTS: tuple[str, ...] = ()
+    GELU_PRODUCT = "up"
+    gelu: str
+    onednn_fp32: bool
 
     def pack(self, dtype: torch.dtype) -> None:
         """Run the products that are still ``nn.Linear`` in ``dtype`` through oneDNN over
         weights packed once (``PackedLinear``), where that runs here; else cast their weights
         to ``dtype`` once (an fp32 forward through MKL keeps them as they are)."""
-        for name in ("qkv", "out_proj", "up", "down"):
+        for name in self.PRODUCTS:
             linear = getattr(self, name)
             if not isinstance(linear, torch.nn.Linear):
                 continue
             if packs(dtype, self.onednn_fp32):
-                gelu = self.gelu if name == "up" else None
+                gelu = self.gelu if name == self.GELU_PRODUCT else None
                 apart = dtype == torch.float32 and hardware.fp32_gelu_apart()
                 setattr(self, name, PackedLinear(linear, dtype, gelu, gelu_apart=apart))
             else:
@@ -216,7 +182,8 @@ class FusedLayer(torch.nn.Module):
             return layer(x, residual)
         if isinstance(layer, Int8Linear):
             return layer(x)
-        x, weight, bias = x.to(dtype), layer.weight.to(dtype), layer.bias.to(dtype)  # no-ops
+        x, weight = x.to(dtype), layer.weight.to(dtype)  # no-ops once the dtype is fixed
+        bias = None if layer.bias is None else layer.bias.to(dtype)
         if residual is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
         if self._onednn(layer, dtype):
@@ -224,6 +191,55 @@ class FusedLayer(torch.nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
         out = F.linear(x, weight, bias)
         return F.gelu(out, approximate=self.gelu) if activation else out
+
+
+class FusedLayer(ProductLayer):
+    """One transformer layer: fused projections, blocked attention, post-LayerNorm residuals."""
+
+    PRODUCTS = ("qkv", "out_proj", "up", "down")
+
+    def __init__(self, dims: bert_family.Dims, state: Mapping[str, torch.Tensor],
+                 onednn_fp32: bool) -> None:
+        super().__init__()
+        heads, eps = dims.heads, dims.eps
+        scale = (dims.hidden // heads) ** -0.5
+        self.qkv = _concat([(linear_from(state, "attention.self.query"), scale),
+                            (linear_from(state, "attention.self.key"), 1.0),
+                            (linear_from(state, "attention.self.value"), 1.0)])
+        self.out_proj = linear_from(state, "attention.output.dense")
+        self.norm1 = layer_norm_from(state, "attention.output.LayerNorm", eps)
+        self.up = linear_from(state, "intermediate.dense")
+        self.down = linear_from(state, "output.dense")
+        self.norm2 = layer_norm_from(state, "output.LayerNorm", eps)
+        self.heads, self.gelu, self.onednn_fp32 = heads, GELU[dims.activation], onednn_fp32
+        self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
+
+    def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The layer over ``x``: [tokens, hidden], the batch's ``shape`` (rows, width) flat, then
+        rows of zeros up to its product rows (``FusedBert.forward``), which stay finite."""
+        rows, width = shape
+        qkv = self._linear(x, self.qkv, dtype)
+        q, k, v = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        context = qkv.new_empty((len(x), qkv.shape[1] // 3))
+        context[rows * width:] = 0
+        attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
+        x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x))
+        return self.norm2(self._feed_forward(x, dtype))
+
+    def _feed_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` + the FFN's output."""
+        if self.ffn is not None:
+            return self.ffn(x)
+        inner = self._linear(x, self.up, dtype, activation=True)
+        return self._linear(inner, self.down, dtype, residual=x)
+
+    def to_int8(self) -> None:
+        """Query/key/value, the attention output and the FFN (``pipeline.int8_ffn``, settled
+        once calibrated) in int8."""
+        self.qkv, self.out_proj = Int8Linear(self.qkv), Int8Linear(self.out_proj)
+        self.ffn = Int8FeedForward(self.up, self.down, self.gelu)
+        self.up = self.down = None
 
 
 class FusedBert(torch.nn.Module):
@@ -244,7 +260,7 @@ class FusedBert(torch.nn.Module):
         relative = state.get(bert_family.RELATIVE_BIAS)
         self.relative = None if relative is None else bert_family.RelativeBias(relative)
         self.layers = torch.nn.ModuleList(
-            FusedLayer(dims, _under(state, f"encoder.layer.{i}."), onednn_fp32)
+            FusedLayer(dims, under(state, f"encoder.layer.{i}."), onednn_fp32)
             for i in range(dims.layers))
 
     @classmethod
@@ -449,16 +465,20 @@ def query_width(width: int, dtype: torch.dtype) -> int:
     return key_width(width, dtype) if attention_kernel(width, dtype) == "graph" else width
 
 
-def _under(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def under(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The weights of ``state`` under ``prefix``, named without it."""
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def _linear(state: Mapping[str, torch.Tensor], name: str) -> torch.nn.Linear:
-    return _frozen(torch.nn.Linear, state[f"{name}.weight"], state[f"{name}.bias"])
+def linear_from(state: Mapping[str, torch.Tensor], name: str) -> torch.nn.Linear:
+    """The Linear ``name`` of ``state`` (no bias where it has none: ModernBERT's)."""
+    return frozen(torch.nn.Linear, state[f"{name}.weight"], state.get(f"{name}.bias"))
 
 
-def _layer_norm(state: Mapping[str, torch.Tensor], name: str, eps: float) -> torch.nn.LayerNorm:
-    norm = _frozen(torch.nn.LayerNorm, state[f"{name}.weight"], state[f"{name}.bias"])
+def layer_norm_from(state: Mapping[str, torch.Tensor], name: str, eps: float
+                    ) -> torch.nn.LayerNorm:
+    """The LayerNorm ``name`` of ``state`` (no bias where it has none)."""
+    norm = frozen(torch.nn.LayerNorm, state[f"{name}.weight"], state.get(f"{name}.bias"))
     norm.eps = eps
     return norm
 
@@ -469,16 +489,17 @@ def _concat(scaled: list[tuple[torch.nn.Linear, float]]) -> torch.nn.Linear:
     with torch.no_grad():
         weight = torch.cat([lin.weight * scale for lin, scale in scaled])
         bias = torch.cat([lin.bias * scale for lin, scale in scaled])
-    return _frozen(torch.nn.Linear, weight, bias)
+    return frozen(torch.nn.Linear, weight, bias)
 
 
-def _frozen(kind: type[torch.nn.Module], weight: torch.Tensor, bias: torch.Tensor
-            ) -> torch.nn.Module:
-    """A ``Linear`` or ``LayerNorm`` holding copies of ``weight`` and ``bias``, no gradients;
-    built without the random initialisation its constructor would run, all of it overwritten
-    (MiniLM's build: 0.061 -> 0.024 s)."""
+def frozen(kind: type[torch.nn.Module], weight: torch.Tensor, bias: torch.Tensor | None
+           ) -> torch.nn.Module:
+    """A ``Linear`` or ``LayerNorm`` holding copies of ``weight`` and ``bias`` (None: none),
+    no gradients; built without the random initialisation its constructor would run, all of
+    it overwritten (MiniLM's build: 0.061 -> 0.024 s)."""
     shape = (weight.shape[1], weight.shape[0]) if kind is torch.nn.Linear else weight.shape[:1]
-    module = kind(*shape, device="meta", dtype=weight.dtype)  # shapes only, no storage
+    module = kind(*shape, bias=bias is not None, device="meta", dtype=weight.dtype)
     module.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
-    module.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+    if bias is not None:
+        module.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
     return module

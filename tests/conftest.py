@@ -38,7 +38,9 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
     """Save a 2-layer, 32-wide BERT (or with ``kind`` "mpnet" an MPNet, as in
     all-mpnet-base-v2: no SDPA in transformers, no token type ids; with "distilbert" a
     DistilBERT: no token type ids; with "electra" an ELECTRA whose 16-wide embeddings are
-    widened to its layers) with the packaged MiniLM tokenizer into ``target``."""
+    widened to its layers; with "modernbert" a 3-layer ModernBERT whose sliding layers see 8
+    tokens either way, no token type ids) with the packaged MiniLM tokenizer into
+    ``target``."""
     import json
 
     import torch
@@ -51,6 +53,8 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
         DistilBertModel,
         ElectraConfig,
         ElectraModel,
+        ModernBertConfig,
+        ModernBertModel,
         MPNetConfig,
         MPNetModel,
     )
@@ -69,6 +73,16 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
         model = DistilBertModel(DistilBertConfig(
             vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
             max_position_embeddings=TINY_MAX_POSITIONS, pad_token_id=tokenizer.pad_token_id))
+    elif kind == "modernbert":
+        specials = dict(pad_token_id=tokenizer.pad_token_id, cls_token_id=tokenizer.cls_token_id,
+                        sep_token_id=tokenizer.sep_token_id, bos_token_id=tokenizer.cls_token_id,
+                        eos_token_id=tokenizer.sep_token_id)
+        model = ModernBertModel(ModernBertConfig(
+            **shape | {"num_hidden_layers": 3}, local_attention=16,
+            max_position_embeddings=TINY_MAX_POSITIONS, **specials))
+        with torch.no_grad():  # weights that matter (ModernBERT initialises them small)
+            for weight in model.parameters():
+                weight.normal_(0.0, 0.3)
     elif kind == "electra":
         model = ElectraModel(ElectraConfig(**shape, embedding_size=16,
                                            max_position_embeddings=TINY_MAX_POSITIONS))
@@ -77,7 +91,7 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
     model.eval().save_pretrained(target)
     tokenizer.model_max_length = TINY_MAX_POSITIONS
     tokenizer.save_pretrained(target)
-    if kind in ("mpnet", "distilbert"):  # their tokenizers give no token type ids
+    if kind in ("mpnet", "distilbert", "modernbert"):  # their tokenizers give no token types
         path = target / "tokenizer_config.json"
         options = json.loads(path.read_text()) | {"model_input_names": ["input_ids",
                                                                          "attention_mask"]}

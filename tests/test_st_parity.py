@@ -125,26 +125,28 @@ def test_seed_poolers_read_token_states_and_model_head_applies_the_modules(
     assert row_cosines(vectors["cls"][:, :12], expected).min() < 0.99  # not the model's head
 
 
-@pytest.mark.parametrize("kind", ["mpnet", "distilbert", "electra"])
+@pytest.mark.parametrize("kind", ["mpnet", "distilbert", "electra", "modernbert"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
-def test_mpnet_distilbert_and_electra_match_sentence_transformers(
+def test_other_architectures_match_sentence_transformers(
         tmp_path: Path, texts: list[str], monkeypatch: pytest.MonkeyPatch, kind: str,
         fused: bool) -> None:
     """MPNet, all-mpnet-base-v2's architecture (positions after its padding id, no token
     types, a relative position bias in every layer's attention), DistilBERT (msmarco- and
-    multi-qa-distilbert's: its own config and weight names, no token types) and ELECTRA (its
-    embeddings narrower than its layers, widened by a Linear), through the fused
+    multi-qa-distilbert's: its own config and weight names, no token types), ELECTRA (its
+    embeddings narrower than its layers, widened by a Linear) and ModernBERT (rotary positions,
+    sliding attention, a gated feed-forward: ``pipeline.fused_modernbert``), through the fused
     forward and, where that does not run (a pooler reading attention weights), through
     transformers' own model, which for MPNet has no SDPA (eager attention)."""
     from sentence_transformers import SentenceTransformer
 
-    from pipeline import fused_bert
+    from pipeline import fused_bert, fused_modernbert
 
     base = build_tiny_bert(tmp_path / "base", kind=kind)
     folder = save_variant(base, tmp_path / "st", Variant(f"{kind}_mean_norm", "mean",
                                                          normalize=True))
     if not fused:
-        monkeypatch.setattr(fused_bert, "fusable", lambda config, device: False)
+        for module in (fused_bert, fused_modernbert):
+            monkeypatch.setattr(module, "fusable", lambda config, device: False)
     ours = ours_for(folder)
     assert ours.encoder.fused is fused
     assert ours.encoder.model.config.model_type == kind

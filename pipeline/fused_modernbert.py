@@ -1,0 +1,268 @@
+"""ModernBERT's forward on a CPU with fewer, larger operations than transformers'.
+
+ModernBERT (gte-modernbert-base, modernbert-embed-base) differs from BERT in its layer: the
+LayerNorms come before attention and the feed-forward (none before the first layer's
+attention, one more after the last layer), positions enter as rotary embeddings of query and
+key (``rope_theta`` per layer type), the layers marked ``sliding_attention`` attend only to
+keys within ``local_attention // 2`` tokens either way, the feed-forward is gated (its first
+product ``Wi`` twice as wide: GELU of one half times the other), and its Linears and
+LayerNorms may have no biases. transformers' forward runs, per layer, the rotary embedding as
+eight passes in fp32 (casts, two products, a negation, a concatenation, an add), autocast's
+casts of an fp32 residual stream before each product and GELU and the gate as passes of
+their own: with MiniLM-like products packed for oneDNN, a random ModernBERT-base in bf16 spent
+42% of its forward over PyPI summaries in products, 15% in SDPA (slow over short rows), 10%
+in casts and 17% in adds and multiplies (2-core AMX Xeon VM, torch profiler).
+
+``FusedModernBert`` runs the same arithmetic as ``pipeline.fused_bert.FusedBert`` runs BERT's
+(its ``ProductLayer``: packed products, their bias, GELU or residual add in oneDNN's epilogue,
+the batch's tokens flat over ``product_rows`` rows; ``attend``'s kernels; the residual stream
+in bf16 where AMX runs), plus:
+
+* the 1/sqrt(head) scale folded into the query rows of ``Wqkv`` once (the rotation is linear);
+* the rotary embedding's cos and sin built once a forward per theta, applied to query and key
+  in fp32 as transformers does, written straight into the head-major layout attention reads;
+* the gate's two halves as two products: GELU in the first one's epilogue, the second one's
+  output multiplied into it in place;
+* a sliding layer's band of keys and the padding in one bias per forward ([rows, 1, queries,
+  keys], masked entries the dtype's most negative value: a padding query with no key in its
+  band gets a uniform softmax, not NaNs).
+
+Hidden states are returned as transformers' ``output_hidden_states`` gives them: the
+embeddings, each layer's output, the last one after the final LayerNorm. Not used with int8
+(its kernels are BERT's layer's: such a run takes transformers' model to ONNX Runtime), with
+a pooler that reads attention weights, nor with rotary scaling other than the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pipeline import bert_family
+from pipeline.fused_bert import (
+    GELU,
+    FusedOutput,
+    ProductLayer,
+    attend,
+    attention_bias,
+    frozen,
+    key_width,
+    layer_norm_from,
+    linear_from,
+    query_width,
+    under,
+)
+from pipeline.onednn import packs, product_rows
+
+if TYPE_CHECKING:
+    from pipeline.models.recorded import ModelConfig
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def fusable(config: ModelConfig, device: torch.device) -> bool:
+    """Whether ``FusedModernBert`` computes what the ModernBERT of ``config`` computes, on
+    ``device`` (not for a model whose config names its own modeling code)."""
+    if config.model_type != "modernbert" or device.type != "cpu":
+        return False
+    remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
+    rope = getattr(config, "rope_parameters", None) or {}
+    kinds = list(getattr(config, "layer_types", None) or [])
+    return (torch.backends.mkldnn.is_available() and not remote
+            and config.hidden_activation in GELU
+            and len(kinds) == config.num_hidden_layers and set(kinds) <= set(LAYER_TYPES)
+            and all((rope.get(kind) or {}).get("rope_type") == "default" for kind in set(kinds)))
+
+
+def dims(config: ModelConfig) -> bert_family.Dims:
+    """ModernBERT's sizes, as the encoder reads a fused model's (``inner``: its gated first
+    product's width, both halves)."""
+    hidden = int(config.hidden_size)
+    return bert_family.Dims(hidden, int(config.num_attention_heads),
+                            int(config.num_hidden_layers), 2 * int(config.intermediate_size),
+                            config.hidden_activation, float(config.norm_eps),
+                            int(config.vocab_size), int(config.max_position_embeddings), 0, 0,
+                            hidden)
+
+
+class Rotary(torch.nn.Module):
+    """The rotary embedding of one ``theta``: transformers' ``ModernBertRotaryEmbedding``
+    (default type) and ``apply_rotary_pos_emb``, rotating each head's dimension i with i +
+    head / 2 by the angle of i. ``FusedModernBert`` orders each head's query and key
+    dimensions as those pairs side by side (``pair_order``: attention's scores do not change
+    when query and key permute their dimensions alike), so that the rotation is one complex
+    product in fp32: (x1 cos - x2 sin, x2 cos + x1 sin)."""
+
+    def __init__(self, theta: float, head: int) -> None:
+        super().__init__()
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head, 2, dtype=torch.float) / head))
+
+    def table(self, width: int) -> torch.Tensor:
+        """cos + i sin of each position's angles: [width, head / 2], complex64."""
+        freqs = torch.arange(width).float()[:, None] * self.inv_freq
+        return torch.polar(torch.ones_like(freqs), freqs)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """``x`` ([rows, heads, width, head] in ``pair_order``, any strides) rotated in fp32,
+        back in its dtype, contiguous."""
+        pairs = x.to(torch.float32, memory_format=torch.contiguous_format).unflatten(-1, (-1, 2))
+        rotated = torch.view_as_real(torch.view_as_complex(pairs) * table)
+        return rotated.flatten(-2).to(x.dtype)
+
+
+def pair_order(head: int) -> torch.Tensor:
+    """A head's dimensions with each i (< head / 2) followed by i + head / 2."""
+    half = torch.arange(head // 2)
+    return torch.stack((half, half + head // 2), dim=1).flatten()
+
+
+class ModernLayer(ProductLayer):
+    """One ModernBERT layer: pre-LayerNorm attention with rotary query and key, then the
+    pre-LayerNorm gated feed-forward, each added to the residual stream."""
+
+    PRODUCTS = ("qkv", "out_proj", "up", "gate", "down")
+
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], first: bool,
+                 onednn_fp32: bool) -> None:
+        super().__init__()
+        d = dims(config)
+        self.heads, self.gelu, self.onednn_fp32 = d.heads, GELU[d.activation], onednn_fp32
+        self.attn_norm = None if first else layer_norm_from(state, "attn_norm", d.eps)
+        self.qkv, self.out_proj = _qkv(state, d), linear_from(state, "attn.Wo")
+        self.mlp_norm = layer_norm_from(state, "mlp_norm", d.eps)
+        self.up, self.gate = _halves(linear_from(state, "mlp.Wi"))
+        self.down = linear_from(state, "mlp.Wo")
+
+    def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
+                rotary: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The layer over ``x``: [tokens, hidden], the batch's ``shape`` (rows, width) flat,
+        then zero rows up to its product rows; ``rotary``: this layer's ``Rotary.table``."""
+        rows, width = shape
+        normed = x if self.attn_norm is None else self.attn_norm(x)
+        qkv = self._linear(normed, self.qkv, dtype)
+        q, k, v = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = (Rotary.rotate(t, rotary) for t in (q, k))
+        context = qkv.new_empty((len(x), qkv.shape[1] // 3))
+        context[rows * width:] = 0
+        attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
+        x = self._linear(context, self.out_proj, dtype, residual=x)
+        normed = self.mlp_norm(x)
+        inner = self._linear(normed, self.up, dtype, activation=True)
+        inner.mul_(self._linear(normed, self.gate, dtype))
+        return self._linear(inner, self.down, dtype, residual=x)
+
+
+class FusedModernBert(torch.nn.Module):
+    """A ModernBERT with a fused forward, built from its config and the model's own state dict
+    (no prefix), called like ``FusedBert``."""
+
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
+                 onednn_fp32: bool) -> None:
+        super().__init__()
+        self.config, self.dims = config, dims(config)
+        self.dtype: torch.dtype | None = None  # fixed by ``pack``
+        self.int8, self.shaped = False, False
+        self.window = int(config.local_attention) // 2
+        self.kinds = list(config.layer_types)
+        self.tok_embeddings = torch.nn.Embedding.from_pretrained(
+            state["embeddings.tok_embeddings.weight"], freeze=True)
+        self.embedding_norm = layer_norm_from(state, "embeddings.norm", self.dims.eps)
+        self.layers = torch.nn.ModuleList(
+            ModernLayer(config, under(state, f"layers.{i}."), i == 0, onednn_fp32)
+            for i in range(self.dims.layers))
+        self.final_norm = layer_norm_from(state, "final_norm", self.dims.eps)
+        head = self.dims.hidden // self.dims.heads
+        self.rotary = {kind: Rotary(float(config.rope_parameters[kind]["rope_theta"]), head)
+                       for kind in set(self.kinds)}
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, onednn_fp32: bool) -> FusedModernBert:
+        """The fused twin of a loaded transformers ModernBERT: the same weights."""
+        return cls(model.config, model.state_dict(), onednn_fp32)
+
+    def pack(self, dtype: torch.dtype) -> None:
+        """Run in ``dtype`` from now on, the products packed where they run here."""
+        for layer in self.layers:
+            layer.pack(dtype)
+        self.dtype, self.shaped = dtype, packs(dtype, self.layers[0].onednn_fp32)
+
+    def to_int8(self, calibration: object) -> None:
+        raise ValueError("ModernBERT's fused forward has no int8 path (its int8 runs through "
+                         "ONNX Runtime)")
+
+    def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """fp32, as under autocast, whatever the products' dtype: a pre-norm stream adds every
+        layer's output to itself unnormalised (``FusedBert.residual_dtype`` keeps BERT's in
+        bf16 where AMX runs). In bf16 a random ModernBERT-base's vectors of 50 long texts fell
+        to cosine 0.99973 to fp32."""
+        return torch.float32
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
+                output_attentions: bool = False) -> FusedOutput:
+        if output_attentions:
+            raise ValueError("FusedModernBert computes no attention weights; use the model's own")
+        dtype = self.dtype or (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                               else torch.float32)
+        shape, tokens = input_ids.shape, input_ids.numel()
+        rows = product_rows(tokens) if self.shaped else tokens
+        with torch.autocast("cpu", enabled=False):
+            x = self.embedding_norm(self.tok_embeddings(input_ids)).to(self.residual_dtype(dtype))
+            x = x.view(tokens, -1)
+            if rows > tokens:  # zero rows up to the products' shape
+                x = F.pad(x, (0, 0, 0, rows - tokens))
+            biases = self._attention_biases(attention_mask, dtype)
+            tables = {kind: rotary.table(shape[1]) for kind, rotary in self.rotary.items()}
+            states = [x] if output_hidden_states else None
+            for kind, layer in zip(self.kinds, self.layers, strict=True):
+                x = layer(x, shape, biases[kind], tables[kind], dtype)
+                if states is not None:
+                    states.append(x)
+            last = self.final_norm(x[:tokens]).view(*shape, -1).float()
+        if states is None:
+            return FusedOutput(last)
+        every = [state[:tokens].view(*shape, -1).float() for state in states[:-1]]
+        return FusedOutput(last, (*every, last))
+
+    def _attention_biases(self, mask: torch.Tensor, dtype: torch.dtype
+                          ) -> dict[str, torch.Tensor | None]:
+        """Each layer type's attention bias, built once a forward: the padding's
+        (``attention_bias``) for global layers; for sliding ones the keys outside a query's
+        band masked too, [rows, 1, ``query_width``, keys] (the padding's where every key is
+        within every query's band)."""
+        padding = attention_bias(mask, dtype)
+        width = mask.shape[1]
+        if width - 1 <= self.window:
+            return dict.fromkeys(LAYER_TYPES, padding)
+        keys, queries = key_width(width, dtype), query_width(width, dtype)
+        distance = torch.arange(keys)[None, :] - torch.arange(queries)[:, None]
+        masked = F.pad(mask == 0, (0, keys - width), value=True)[:, None, None, :] | (
+            distance.abs() > self.window)[None, None]
+        band = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, torch.finfo(dtype).min)
+        return {"full_attention": padding, "sliding_attention": band}
+
+
+def _qkv(state: Mapping[str, torch.Tensor], d: bert_family.Dims) -> torch.nn.Linear:
+    """``Wqkv`` with the 1/sqrt(head) scale in its query rows (rotating is linear) and each
+    head's query and key rows in ``pair_order``."""
+    wqkv, head = linear_from(state, "attn.Wqkv"), d.hidden // d.heads
+    order = torch.arange(3 * d.hidden).view(3, d.heads, head)
+    order[:2] = order[:2, :, pair_order(head)]
+    scale = torch.ones(3 * d.hidden)
+    scale[: d.hidden] = head ** -0.5
+    with torch.no_grad():
+        wqkv.weight.copy_(wqkv.weight[order.flatten()] * scale[:, None])
+        if wqkv.bias is not None:
+            wqkv.bias.copy_(wqkv.bias[order.flatten()] * scale)
+    return wqkv
+
+
+def _halves(linear: torch.nn.Linear) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    """A Linear's first and second halves of its outputs, each a Linear."""
+    weights = linear.weight.chunk(2)
+    biases = (None, None) if linear.bias is None else linear.bias.chunk(2)
+    return tuple(frozen(torch.nn.Linear, w, b) for w, b in zip(weights, biases, strict=True))

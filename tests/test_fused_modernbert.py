@@ -1,0 +1,197 @@
+"""ModernBERT's fused CPU forward (pipeline.fused_modernbert) computes what transformers' does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build_tiny_bert
+from transformers import ModernBertConfig, ModernBertModel
+
+from pipeline import fused_bert, graph_attention
+from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.embedder import Embedder
+from pipeline.encoder import batch_limits
+from pipeline.fused_modernbert import FusedModernBert, Rotary, fusable, pair_order
+from pipeline.onednn import PackedLinear, packs
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="this torch has no oneDNN")
+CPU = torch.device("cpu")
+
+
+def tiny(**overrides) -> ModernBertModel:
+    """4 layers (the first and last global, the others within 4 tokens either way), weights
+    that matter (ModernBERT initialises them small)."""
+    config = dict(vocab_size=100, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
+                  num_attention_heads=4, local_attention=8, global_attn_every_n_layers=3,
+                  max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, cls_token_id=1, sep_token_id=2) | overrides
+    torch.manual_seed(0)
+    model = ModernBertModel(ModernBertConfig(**config)).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.normal_(0.0, 0.3)
+    return model
+
+
+def batch(rows: int = 4, width: int = 21) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids, right-padded rows of different lengths (the first full, one of 3 tokens)."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (rows, width), generator=generator)
+    lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+    lengths[0], lengths[-1] = width, 3
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def real(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return states[mask.bool()]
+
+
+def assert_states_match(model: ModernBertModel, fused: FusedModernBert, rows: int, width: int,
+                        padded: bool = True) -> None:
+    ids, mask = batch(rows, width)
+    if not padded:
+        mask = torch.ones_like(mask)
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        got = fused(ids, mask, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == model.config.num_hidden_layers + 1
+    for layer, (ours, theirs) in enumerate(zip(got.hidden_states, want.hidden_states,
+                                               strict=True)):
+        torch.testing.assert_close(real(ours, mask), real(theirs, mask), atol=5e-5, rtol=1e-4,
+                                   msg=f"layer {layer}")
+    torch.testing.assert_close(got.last_hidden_state, got.hidden_states[-1])
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
+@pytest.mark.parametrize("onednn_fp32", [True, False])
+def test_fp32_states_match_the_models_own_at_every_layer(biases: bool,
+                                                         onednn_fp32: bool) -> None:
+    """Every layer's states, the last after the final LayerNorm (as transformers returns
+    them), over rows wider than the sliding layers' band and rows within it."""
+    model = tiny(attention_bias=biases, mlp_bias=biases, norm_bias=biases)
+    fused = FusedModernBert.from_model(model, onednn_fp32)
+    assert fused.kinds == ["full_attention", "sliding_attention", "sliding_attention",
+                           "full_attention"]
+    for rows, width, padded in [(4, 21, True), (3, 40, False), (2, 5, True)]:
+        assert_states_match(model, fused, rows, width, padded)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "blocked", "graph"])
+def test_the_sliding_band_reaches_every_attention_kernel(monkeypatch: pytest.MonkeyPatch,
+                                                         kernel: str) -> None:
+    """fp32 states equal transformers' through each kernel; bf16 ones (packed where that runs
+    here) within its rounding; without the band (every layer global) they are not."""
+    if kernel == "graph" and not graph_attention.available():
+        pytest.skip("this torch has no oneDNN Graph fuser")
+    monkeypatch.setattr(fused_bert, "attention_kernel", lambda width, dtype: kernel)
+    model = tiny()
+    fused, half = (FusedModernBert.from_model(model, onednn_fp32=True) for _ in range(2))
+    half.pack(torch.bfloat16)
+    ids, mask = batch(4, 40)
+    assert_states_match(model, fused, 4, 40)
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = half(ids, mask).last_hidden_state
+        fused.kinds = ["full_attention"] * 4
+        unbanded = fused(ids, mask).last_hidden_state
+    cosine = F.cosine_similarity(real(got, mask), real(want, mask), -1)
+    assert float(cosine.min()) > 0.999
+    assert (real(unbanded, mask) - real(want, mask)).abs().max() > 1e-2
+
+
+def test_rotation_in_pair_order_is_transformers_rotary_embedding() -> None:
+    """The complex product over dimensions in ``pair_order`` gives transformers' rotate-half
+    rotation, in that order."""
+    from transformers.models.modernbert.modeling_modernbert import apply_rotary_pos_emb
+
+    rotary, head, width = Rotary(10000.0, 16), 16, 7
+    x = torch.randn(2, 3, width, head)
+    freqs = torch.arange(width).float()[:, None] * rotary.inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    want, _ = apply_rotary_pos_emb(x, x, angles.cos()[None], angles.sin()[None])
+    got = Rotary.rotate(x[..., pair_order(head)], rotary.table(width))
+    torch.testing.assert_close(got, want[..., pair_order(head)], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_products_give_the_batchs_own_states(dtype: torch.dtype) -> None:
+    """Packed for oneDNN (the gated product's halves, no biases), over ``product_rows`` rows:
+    the unpacked forward's states (fp32 within rounding; bf16 within its own)."""
+    if not packs(dtype, True):
+        pytest.skip(f"this CPU or torch packs no {dtype} weights for oneDNN")
+    model = tiny()
+    plain, packed = (FusedModernBert.from_model(model, onednn_fp32=True) for _ in range(2))
+    packed.pack(dtype)
+    assert packed.shaped and all(isinstance(layer.gate, PackedLinear) for layer in packed.layers)
+    ids, mask = batch(5, 23)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=dtype,
+                                                enabled=dtype != torch.float32):
+        want = plain(ids, mask).last_hidden_state
+    with torch.inference_mode():
+        got = packed(ids, mask).last_hidden_state
+    if dtype == torch.float32:
+        torch.testing.assert_close(real(got, mask), real(want, mask), atol=1e-5, rtol=1e-5)
+    else:
+        cosine = F.cosine_similarity(real(got, mask), real(want, mask), -1)
+        assert float(cosine.min()) > 0.999
+
+
+def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
+    model = tiny()
+    ids, mask = batch(3, 30)
+    mask[1] = 0
+    fused = FusedModernBert.from_model(model, onednn_fp32=True)
+    with torch.inference_mode():
+        got = fused(ids, mask).last_hidden_state
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got_bf16 = fused(ids, mask).last_hidden_state
+    assert torch.isfinite(got).all() and torch.isfinite(got_bf16).all()
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({}, True),
+    ({"hidden_activation": "gelu_pytorch_tanh"}, True),
+    ({"hidden_activation": "silu"}, False),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 160000.0},
+                          "sliding_attention": {"rope_type": "default",
+                                                "rope_theta": 10000.0}}}, False),
+    ({"auto_map": {"AutoModel": "modeling.CustomModernBert"}}, False),  # its own code
+])
+def test_only_modernberts_it_computes_exactly_are_fused(overrides: dict, expected: bool) -> None:
+    assert fusable(tiny(**overrides).config, CPU) is expected
+    assert not fusable(tiny().config, torch.device("meta"))  # a GPU keeps the model's own
+
+
+def test_the_encoder_fuses_a_modernbert_and_its_vectors_stay_the_set(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused in fp32 and under ``auto``; not where a pooler reads attention weights; the
+    vectors transformers' forward gives, the same set."""
+    from pipeline import fused_modernbert
+
+    folder = build_tiny_bert(tmp_path / "modernbert", kind="modernbert")
+    texts = ["a tiny text", "another one, a little longer than the first " * 3, "ok"]
+
+    def embedder(pooler: str = "mean", dtype: str = "fp32") -> Embedder:
+        cfg = EncoderConfig(model=str(folder), dtype=dtype, device="cpu")
+        return Embedder(cfg, [PoolerSpec(name=pooler)])
+
+    fused, auto, attention = embedder(), embedder(dtype="auto"), embedder("attention")
+    assert isinstance(fused.encoder.model, FusedModernBert)
+    assert isinstance(auto.encoder.model, FusedModernBert)
+    assert not attention.encoder.fused
+    model = fused.encoder.model  # its batches sized by its gated first product's width
+    assert model.dims.inner == 2 * model.config.intermediate_size
+    assert (fused.encoder.token_budget, fused.encoder.max_batch_rows) == batch_limits(
+        fused.encoder.cfg, CPU, model.dims.hidden, model.dims.inner, "fp32")
+    monkeypatch.setattr(fused_modernbert, "fusable", lambda config, device: False)
+    plain = embedder()
+    assert not plain.encoder.fused
+    np.testing.assert_allclose(fused.encode(texts), plain.encode(texts), atol=1e-5)
+    assert fused.fingerprint("mean") == plain.fingerprint("mean")
