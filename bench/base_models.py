@@ -19,7 +19,7 @@
   architecture; transformers' ModernBertConfig defaults): 768 wide, 22 pre-norm layers of 12
   heads with rotary positions, every third attending globally and the rest within 128
   tokens, a gated 1,152-wide GELU feed-forward, no biases; mean pooling, texts cut at 512
-  tokens. The fused forward does not run it: transformers' forward does.
+  tokens. Runs through ``pipeline.fused_modernbert``.
 
 Nothing downloads here, so this saves the shape with random weights (speed does not depend on
 the weights) and the packaged MiniLM's tokenizer (WordPiece, uncased, as both models'; token

@@ -9,9 +9,10 @@ product ``Wi`` twice as wide: GELU of one half times the other), and its Linears
 LayerNorms may have no biases. transformers' forward runs, per layer, the rotary embedding as
 eight passes in fp32 (casts, two products, a negation, a concatenation, an add), autocast's
 casts of an fp32 residual stream before each product and GELU and the gate as passes of
-their own: with MiniLM-like products packed for oneDNN, a random ModernBERT-base in bf16 spent
-42% of its forward over PyPI summaries in products, 15% in SDPA (slow over short rows), 10%
-in casts and 17% in adds and multiplies (2-core AMX Xeon VM, torch profiler).
+their own: with its products packed for oneDNN, a random ModernBERT-base in bf16 spent 42% of
+its forward over PyPI summaries in products, 15% in SDPA (slow over short rows), 10% in casts
+and 17% in adds and multiplies (2-core AMX Xeon VM, torch profiler). Fused: 1.08x that
+forward on summaries, 1.44x on texts of 367 tokens (bench/RESULTS.md).
 
 ``FusedModernBert`` runs the same arithmetic as ``pipeline.fused_bert.FusedBert`` runs BERT's
 (its ``ProductLayer``: packed products, their bias, GELU or residual add in oneDNN's epilogue,
@@ -19,13 +20,16 @@ the batch's tokens flat over ``product_rows`` rows; ``attend``'s kernels; the re
 in bf16 where AMX runs), plus:
 
 * the 1/sqrt(head) scale folded into the query rows of ``Wqkv`` once (the rotation is linear);
-* the rotary embedding's cos and sin built once a forward per theta, applied to query and key
-  in fp32 as transformers does, written straight into the head-major layout attention reads;
+* the rotary embedding as one complex product per query and key in fp32 (``Rotary``), each
+  head's dimensions reordered once in ``Wqkv`` so that the pairs it rotates sit side by side,
+  its angles built once a forward per theta, written straight into the head-major layout
+  attention reads;
 * the gate's two halves as two products: GELU in the first one's epilogue, the second one's
   output multiplied into it in place;
 * a sliding layer's band of keys and the padding in one bias per forward ([rows, 1, queries,
   keys], masked entries the dtype's most negative value: a padding query with no key in its
-  band gets a uniform softmax, not NaNs).
+  band gets a uniform softmax, not NaNs);
+* the residual stream in fp32 even where AMX runs (``FusedModernBert.residual_dtype``).
 
 Hidden states are returned as transformers' ``output_hidden_states`` gives them: the
 embeddings, each layer's output, the last one after the final LayerNorm. Not used with int8
