@@ -212,9 +212,9 @@ class Encoder:
     def _fp32_kernel(self) -> str:
         """``onednn`` where this CPU runs fp32 products faster through oneDNN (see
         ``pipeline.onednn``; for the fused forward, its up product over a packed weight with
-        the bias and GELU in its epilogue at least as fast as MKL's then GELU), else
-        ``default``. Not where the torch model is
-        handed on (int8's ONNX export traces it, Inductor picks its own kernels)."""
+        the bias and GELU at least as fast as MKL's then GELU), else ``default``. Not where the
+        torch model is handed on (int8's ONNX export traces it, Inductor picks its own
+        kernels)."""
         from pipeline.hardware import cpu_fp32_onednn_is_faster
         from pipeline.onednn import FUSED_MIN_GAIN, MIN_GAIN
 

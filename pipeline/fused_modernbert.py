@@ -169,7 +169,7 @@ class FusedModernBert(torch.nn.Module):
         super().__init__()
         self.config, self.dims = config, dims(config)
         self.dtype: torch.dtype | None = None  # fixed by ``pack``
-        self.int8, self.shaped = False, False
+        self.shaped = False  # products over ``product_rows`` rows: where oneDNN runs them
         self.window = int(config.local_attention) // 2
         self.kinds = list(config.layer_types)
         self.tok_embeddings = torch.nn.Embedding.from_pretrained(
@@ -193,10 +193,6 @@ class FusedModernBert(torch.nn.Module):
         for layer in self.layers:
             layer.pack(dtype)
         self.dtype, self.shaped = dtype, packs(dtype, self.layers[0].onednn_fp32)
-
-    def to_int8(self, calibration: object) -> None:
-        raise ValueError("ModernBERT's fused forward has no int8 path (its int8 runs through "
-                         "ONNX Runtime)")
 
     def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """fp32, as under autocast, whatever the products' dtype: a pre-norm stream adds every

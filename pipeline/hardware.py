@@ -63,7 +63,8 @@ try:  # fp32 through oneDNN's inner product (pipeline.onednn), where this torch 
         kernel()
     kernels |= {
         "fp32_onednn_gflops": lambda: linear_pointwise(a, w, None, "none", [], ""),
-        "fp32_gelu_gflops": lambda: torch.nn.functional.gelu(torch.addmm(bias, a, b)),
+        "fp32_gelu_gflops": lambda: torch.nn.functional.gelu(
+            torch.nn.functional.linear(a, w, bias)),
         "fp32_onednn_gelu_gflops": lambda: linear_pointwise(a, packed, bias, "gelu", [], "none"),
         "fp32_onednn_gelu_apart_gflops": lambda: torch.ops.aten.gelu_(
             linear_pointwise(a, packed, bias, "none", [], "")),

@@ -166,6 +166,9 @@ def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
 ])
 def test_only_modernberts_it_computes_exactly_are_fused(overrides: dict, expected: bool) -> None:
     assert fusable(tiny(**overrides).config, CPU) is expected
+    # nor by BERT's fused forward, whose layer alone has an int8 path (ModernBERT's int8 runs
+    # transformers' model through ONNX Runtime)
+    assert not fused_bert.fusable(tiny(**overrides).config, CPU)
     assert not fusable(tiny().config, torch.device("meta"))  # a GPU keeps the model's own
 
 
