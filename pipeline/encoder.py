@@ -225,10 +225,9 @@ class Encoder:
         return "onednn"
 
     def _load_model(self, config: recorded.ModelConfig, need_attention: bool) -> torch.nn.Module:
-        """A ``FusedBert`` (or ``FusedModernBert``) where it runs the model (``_fuses``), a
-        BERT-family model's weights read without transformers' model classes where the files
-        allow; else transformers' model, its fp32 Linear layers through oneDNN where that
-        kernel won."""
+        """A ``FusedBert`` (or ``FusedModernBert``) where it runs the model (``_fuses``), its
+        weights read without transformers' model classes where the files allow; else
+        transformers' model, its fp32 Linear layers through oneDNN where that kernel won."""
         from pipeline.fused_bert import FusedBert
         from pipeline.fused_modernbert import FusedModernBert
 
@@ -237,7 +236,7 @@ class Encoder:
         onednn = self.fp32_kernel == "onednn"
         if self.fused:
             modern = config.model_type == "modernbert"
-            state = None if modern else loader.read_bert_weights(self.files, config)
+            state = loader.read_fused_weights(self.files, config)
             if state is None:
                 config = loader.transformers_config(config, self.files, trust)
                 state = loader.load_transformer(self.files, trust, eager, config).state_dict()

@@ -30,7 +30,7 @@ The residual stream (but see ``FusedBert.residual_dtype``: bf16 where AMX runs, 
 the products' epilogues), LayerNorms and returned states stay fp32, as under autocast. The
 weights are the model's own state dict, under BERT's names (only query/key/value are concatenated;
 packed for oneDNN once the encoder fixed the dtype, ``FusedBert.pack``), read by
-``pipeline.models.loader.read_bert_weights`` straight from ``model.safetensors`` where it can
+``pipeline.models.loader.read_fused_weights`` straight from ``model.safetensors`` where it can
 (else from the transformers model), so the model hash and the vectors' set are unchanged: fp32
 states match transformers' within float rounding (tested), bf16 ones pass the same cosine >=
 0.9999 check against fp32.

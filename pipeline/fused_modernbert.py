@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+CHECKPOINT_PREFIX = "model"  # the base model's name inside ModernBERT's task models
 
 
 def fusable(config: ModelConfig, device: torch.device) -> bool:
@@ -90,6 +91,30 @@ def dims(config: ModelConfig) -> bert_family.Dims:
                             config.hidden_activation, float(config.norm_eps),
                             int(config.vocab_size), int(config.max_position_embeddings), 0, 0,
                             hidden)
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The weights ``FusedModernBert`` reads, as the model's own state dict names them (no
+    prefix), and their shapes: biases where the config gives them."""
+    d, inner = dims(config), int(config.intermediate_size)
+    hidden = d.hidden
+
+    def linear(name: str, out: int, into: int, bias: bool) -> dict[str, tuple[int, ...]]:
+        return {f"{name}.weight": (out, into)} | ({f"{name}.bias": (out,)} if bias else {})
+
+    def norm(name: str) -> dict[str, tuple[int, ...]]:
+        return {f"{name}.weight": (hidden,)} | (
+            {f"{name}.bias": (hidden,)} if config.norm_bias else {})
+
+    attention, mlp = bool(config.attention_bias), bool(config.mlp_bias)
+    shapes = {"embeddings.tok_embeddings.weight": (d.vocab, hidden)} | norm("embeddings.norm")
+    for i in range(d.layers):
+        at = f"layers.{i}."
+        shapes |= (norm(f"{at}attn_norm") if i else {}) | linear(
+            f"{at}attn.Wqkv", 3 * hidden, hidden, attention) | linear(
+            f"{at}attn.Wo", hidden, hidden, attention) | norm(f"{at}mlp_norm") | linear(
+            f"{at}mlp.Wi", 2 * inner, hidden, mlp) | linear(f"{at}mlp.Wo", hidden, inner, mlp)
+    return shapes | norm("final_norm")
 
 
 class Rotary(torch.nn.Module):

@@ -1,5 +1,5 @@
 """A fused model's weights read straight from ``model.safetensors`` (pipeline.models.loader.
-read_bert_weights): the states transformers' own model computes, without its model classes."""
+read_fused_weights): the states transformers' own model computes, without its model classes."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from transformers import (
     ElectraConfig,
     ElectraForPreTraining,
     ElectraModel,
+    ModernBertConfig,
+    ModernBertForMaskedLM,
+    ModernBertModel,
     MPNetConfig,
     MPNetForMaskedLM,
     MPNetModel,
@@ -48,6 +51,11 @@ def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
                                   hidden_dim=64, max_position_embeddings=96,
                                   pad_token_id=tokenizer.pad_token_id)
     electra = ElectraConfig(**shape | {"embedding_size": 16})
+    modernbert = ModernBertConfig(**shape | {"num_hidden_layers": 3}, local_attention=8,
+                                  cls_token_id=tokenizer.cls_token_id,
+                                  sep_token_id=tokenizer.sep_token_id,
+                                  bos_token_id=tokenizer.cls_token_id,
+                                  eos_token_id=tokenizer.sep_token_id)
     torch.manual_seed(3)
     model = {"bert": lambda: BertModel(BertConfig(**shape)),
              "bert-for-mlm": lambda: BertForMaskedLM(BertConfig(**shape)),  # keys "bert.*"
@@ -59,7 +67,9 @@ def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
              "distilbert": lambda: DistilBertModel(distilbert),
              "distilbert-for-mlm": lambda: DistilBertForMaskedLM(distilbert),
              "electra": lambda: ElectraModel(electra),
-             "electra-discriminator": lambda: ElectraForPreTraining(electra)}[kind]()
+             "electra-discriminator": lambda: ElectraForPreTraining(electra),
+             "modernbert": lambda: ModernBertModel(modernbert),
+             "modernbert-for-mlm": lambda: ModernBertForMaskedLM(modernbert)}[kind]()  # "model.*"
     model.eval().save_pretrained(folder)
     if not safetensors:  # the older pickled checkpoint (transformers 5 saves safetensors only)
         torch.save(model.state_dict(), folder / "pytorch_model.bin")
@@ -78,11 +88,11 @@ def states(encoder: Encoder) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["bert", "bert-for-mlm", "roberta", "camembert-for-mlm", "mpnet",
                                   "mpnet-for-mlm", "distilbert", "distilbert-for-mlm", "electra",
-                                  "electra-discriminator"])
+                                  "electra-discriminator", "modernbert", "modernbert-for-mlm"])
 def test_weights_read_from_safetensors_give_transformers_states(tmp_path: Path, kind: str) -> None:
     folder = save_tiny(tmp_path, kind)
     files = loader.read_model_files(str(folder))
-    assert loader.read_bert_weights(files, loader.load_config(files, False)) is not None
+    assert loader.read_fused_weights(files, loader.load_config(files, False)) is not None
     encoder = Encoder(EncoderConfig(model=str(folder), device="cpu", dtype="fp32"))
     assert encoder.fused
     got, mask = states(encoder)
@@ -101,7 +111,7 @@ def test_a_checkpoint_only_transformers_reads_goes_through_transformers(tmp_path
     all the same, and its vectors are the safetensors copy's."""
     pickled = save_tiny(tmp_path / "bin", "bert", safetensors=False)
     files = loader.read_model_files(str(pickled))
-    assert loader.read_bert_weights(files, loader.load_config(files, False)) is None
+    assert loader.read_fused_weights(files, loader.load_config(files, False)) is None
     via_transformers = Encoder(EncoderConfig(model=str(pickled), device="cpu", dtype="fp32"))
     direct = Encoder(EncoderConfig(model=str(save_tiny(tmp_path / "st", "bert")), device="cpu",
                                    dtype="fp32"))
@@ -115,9 +125,9 @@ def test_weights_transformers_would_rename_or_refuse_are_left_to_it(tmp_path: Pa
     files = loader.read_model_files(str(folder))
     config = loader.load_config(files, False)
     wider = config.__class__.from_dict(config.to_dict() | {"intermediate_size": 128})
-    assert loader.read_bert_weights(files, wider) is None  # shapes it would refuse
+    assert loader.read_fused_weights(files, wider) is None  # shapes it would refuse
     deeper = config.__class__.from_dict(config.to_dict() | {"num_hidden_layers": 3})
-    assert loader.read_bert_weights(files, deeper) is None  # a layer it would leave random
+    assert loader.read_fused_weights(files, deeper) is None  # a layer it would leave random
 
 
 def test_a_fused_model_sizes_its_cpu_batches_by_its_own_ffn_width(tmp_path: Path) -> None:

@@ -15,7 +15,16 @@ from pipeline import fused_bert, graph_attention
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.encoder import batch_limits
-from pipeline.fused_modernbert import FusedModernBert, Rotary, fusable, pair_order
+from pipeline.fused_modernbert import (
+    FusedModernBert,
+    Rotary,
+    dims,
+    fusable,
+    pair_order,
+    weight_shapes,
+)
+from pipeline.models import recorded
+from pipeline.models.recorded import RecordedConfig
 from pipeline.onednn import PackedLinear, packs
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -103,6 +112,24 @@ def test_the_sliding_band_reaches_every_attention_kernel(monkeypatch: pytest.Mon
     cosine = F.cosine_similarity(real(got, mask), real(want, mask), -1)
     assert float(cosine.min()) > 0.999
     assert (real(unbanded, mask) - real(want, mask)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
+def test_the_weights_it_reads_are_the_models_own_names_and_shapes(biases: bool) -> None:
+    """``weight_shapes`` names every weight of the model's state dict, in its shape; a
+    recorded config (``pipeline.models.recorded``: later starts, no transformers) gives the
+    same sizes, the same fusability and the same states."""
+    model = tiny(attention_bias=biases, mlp_bias=biases, norm_bias=biases)
+    own = {name: tuple(weight.shape) for name, weight in model.state_dict().items()}
+    assert weight_shapes(model.config) == own
+    recorded_config = RecordedConfig(**recorded.config_attributes(model.config))
+    assert dims(recorded_config) == dims(model.config)
+    assert fusable(recorded_config, CPU)
+    live = FusedModernBert.from_model(model, onednn_fp32=True)
+    replayed = FusedModernBert(recorded_config, model.state_dict(), onednn_fp32=True)
+    ids, mask = batch()
+    with torch.inference_mode():
+        assert torch.equal(replayed(ids, mask).last_hidden_state, live(ids, mask).last_hidden_state)
 
 
 def test_rotation_in_pair_order_is_transformers_rotary_embedding() -> None:
