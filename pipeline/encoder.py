@@ -181,6 +181,7 @@ class Encoder:
         for ``auto`` ``onednn`` where the fused forward runs this model and oneDNN's int8
         product and bf16 run natively here (see ``pipeline.int8_linear``), else
         ``onnxruntime`` (``pipeline.quantize``)."""
+        from pipeline import fused_modernbert
         from pipeline.fused_bert import fusable
         from pipeline.int8_linear import onednn_int8_available
 
@@ -188,7 +189,9 @@ class Encoder:
         if self.cfg.dtype != INT8:
             return None
         if wanted != "onnxruntime":
-            if not fusable(config, self.device):
+            if fused_modernbert.fusable(config, self.device):
+                why = "ModernBERT's fused forward has no int8 path"
+            elif not fusable(config, self.device):
                 why = f"the fused forward does not run {config.model_type} models like this one"
             elif not onednn_int8_available():
                 why = "this CPU or torch lacks oneDNN's int8 product or native bf16"

@@ -31,7 +31,9 @@ in bf16 where AMX runs), plus:
   band gets a uniform softmax, not NaNs);
 * the residual stream in fp32 even where AMX runs (``FusedModernBert.residual_dtype``).
 
-Hidden states are returned as transformers' ``output_hidden_states`` gives them: the
+Its weights are the model's own state dict (``weight_shapes``), read straight from
+``model.safetensors`` by ``pipeline.models.loader.read_fused_weights`` where it can. Hidden
+states are returned as transformers' ``output_hidden_states`` gives them: the
 embeddings, each layer's output, the last one after the final LayerNorm. Not used with int8
 (its kernels are BERT's layer's: such a run takes transformers' model to ONNX Runtime), with
 a pooler that reads attention weights, nor with rotary scaling other than the default.

@@ -15,6 +15,7 @@ from pipeline import fused_bert, graph_attention
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.encoder import batch_limits
+from pipeline.errors import ConfigError
 from pipeline.fused_modernbert import (
     FusedModernBert,
     Rotary,
@@ -225,3 +226,14 @@ def test_the_encoder_fuses_a_modernbert_and_its_vectors_stay_the_set(
     assert not plain.encoder.fused
     np.testing.assert_allclose(fused.encode(texts), plain.encode(texts), atol=1e-5)
     assert fused.fingerprint("mean") == plain.fingerprint("mean")
+
+
+def test_int8_of_a_modernbert_says_why_onednn_cannot_run_it(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_bert(tmp_path / "modernbert", kind="modernbert")
+    with pytest.raises(ConfigError, match="int8_kernel onednn cannot run here: ModernBERT's "
+                                          "fused forward has no int8 path"):
+        Embedder(EncoderConfig(model=str(folder), dtype="int8", int8_kernel="onednn",
+                               device="cpu"), [PoolerSpec(name="mean")])
