@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ from pipeline.precision import CALIBRATION_TEXTS, DtypeCheck, choose_device, cho
 from pipeline.quantize import INT8, OnnxInt8Model, check_int8, check_onnxruntime
 from pipeline.token_rows import TokenRows, pad_rows
 from pipeline.tokenize_pool import MIN_TEXTS, TokenizerPool, pool_workers
+
+if TYPE_CHECKING:
+    from pipeline.fused_bert import FusedEncoder
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ class Encoder:
             config, self.tokenizer = recorded.load(self.files, self.files_hash,
                                                    self.cfg.trust_remote_code)
             self.int8_kernel = self._int8_kernel(config)
-            self.fused = self._fuses(config, need_attention)
+            self.fused_forward = self._fused_forward(config, need_attention)
+            self.fused = self.fused_forward is not None
             self.fp32_kernel = self._fp32_kernel()
             self.model = self._load_model(config, need_attention)
         except ConfigError:
@@ -181,18 +186,18 @@ class Encoder:
         for ``auto`` ``onednn`` where the fused forward runs this model and oneDNN's int8
         product and bf16 run natively here (see ``pipeline.int8_linear``), else
         ``onnxruntime`` (``pipeline.quantize``)."""
-        from pipeline import fused_modernbert
-        from pipeline.fused_bert import fusable
+        from pipeline.fused import fused_forward
         from pipeline.int8_linear import onednn_int8_available
 
         wanted = self.cfg.int8_kernel
         if self.cfg.dtype != INT8:
             return None
         if wanted != "onnxruntime":
-            if fused_modernbert.fusable(config, self.device):
-                why = "ModernBERT's fused forward has no int8 path"
-            elif not fusable(config, self.device):
+            kind = fused_forward(config, self.device)
+            if kind is None:
                 why = f"the fused forward does not run {config.model_type} models like this one"
+            elif not kind.INT8:
+                why = f"{kind.ARCHITECTURE}'s fused forward has no int8 path"
             elif not onednn_int8_available():
                 why = "this CPU or torch lacks oneDNN's int8 product or native bf16"
             else:
@@ -202,15 +207,16 @@ class Encoder:
         check_onnxruntime()
         return "onnxruntime"
 
-    def _fuses(self, config: recorded.ModelConfig, need_attention: bool) -> bool:
-        """Whether ``FusedBert`` or ``FusedModernBert`` runs the model: it computes what the
-        model does (a CPU, a BERT-family model or a ModernBERT), no attention weights are
-        wanted and the model is not handed on."""
-        from pipeline import fused_bert, fused_modernbert
+    def _fused_forward(self, config: recorded.ModelConfig, need_attention: bool
+                       ) -> type[FusedEncoder] | None:
+        """The fused forward that runs the model (``pipeline.fused``: one that computes what
+        the model does, on a CPU), where no attention weights are wanted and the model is not
+        handed on; else None."""
+        from pipeline.fused import fused_forward
 
-        return not (need_attention or self._handed_on) and (
-            fused_bert.fusable(config, self.device) or fused_modernbert.fusable(config,
-                                                                                self.device))
+        if need_attention or self._handed_on:
+            return None
+        return fused_forward(config, self.device)
 
     def _fp32_kernel(self) -> str:
         """``onednn`` where this CPU runs fp32 products faster through oneDNN (see
@@ -228,22 +234,19 @@ class Encoder:
         return "onednn"
 
     def _load_model(self, config: recorded.ModelConfig, need_attention: bool) -> torch.nn.Module:
-        """A ``FusedBert`` (or ``FusedModernBert``) where it runs the model (``_fuses``), its
-        weights read without transformers' model classes where the files allow; else
-        transformers' model, its fp32 Linear layers through oneDNN where that kernel won."""
-        from pipeline.fused_bert import FusedBert
-        from pipeline.fused_modernbert import FusedModernBert
-
+        """The fused forward where one runs the model (``fused_forward``), its weights read
+        without transformers' model classes where the files allow; else transformers' model,
+        its fp32 Linear layers through oneDNN where that kernel won."""
         trust = self.cfg.trust_remote_code
         eager = need_attention or self.int8_kernel == "onnxruntime"
         onednn = self.fp32_kernel == "onednn"
-        if self.fused:
-            modern = config.model_type == "modernbert"
-            state = loader.read_fused_weights(self.files, config)
+        if self.fused_forward is not None:
+            wanted, base = self.fused_forward.checkpoint_weights(config)
+            state = loader.read_fused_weights(self.files, wanted, base)
             if state is None:
                 config = loader.transformers_config(config, self.files, trust)
                 state = loader.load_transformer(self.files, trust, eager, config).state_dict()
-            return (FusedModernBert if modern else FusedBert)(config, state, onednn_fp32=onednn)
+            return self.fused_forward(config, state, onednn_fp32=onednn)
         config = loader.transformers_config(config, self.files, trust)
         model = loader.load_transformer(self.files, trust, eager, config)
         if onednn:

@@ -242,18 +242,67 @@ class FusedLayer(ProductLayer):
         self.up = self.down = None
 
 
-class FusedBert(torch.nn.Module):
-    """A BERT-family encoder with a fused forward, built from its config and the model's own
-    state dict (no prefix; ``bert_family.weight_shapes``); called like the transformers model
-    (``input_ids``, ``attention_mask``, ``token_type_ids``, ``output_hidden_states``)."""
+class FusedEncoder(torch.nn.Module):
+    """What the fused forwards share (``FusedBert``, ``pipeline.fused_modernbert.
+    FusedModernBert``): built from the model's config and own state dict (no prefix; the
+    names ``checkpoint_weights`` gives), called like the transformers model, run in the dtype
+    ``pack`` fixed (else autocast's, else fp32), the batch's tokens flat over
+    ``product_rows`` rows once oneDNN runs every product."""
 
-    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
-                 onednn_fp32: bool) -> None:
+    ARCHITECTURE: str  # in messages
+    INT8 = False  # has an int8 path (``to_int8``)
+    layers: torch.nn.ModuleList  # of ``ProductLayer``
+
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.dtype: torch.dtype | None = None  # fixed by ``pack``: else autocast's, or fp32
-        self.int8 = False  # ``to_int8``
         self.shaped = False  # products over ``product_rows`` rows: where oneDNN runs them all
+
+    @classmethod
+    def checkpoint_weights(cls, config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], str]:
+        """The weights this forward reads, as the model's own state dict names them, and
+        their shapes; and the base model's name inside its task models' checkpoints."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, onednn_fp32: bool) -> FusedEncoder:
+        """The fused twin of a loaded transformers model: the same weights."""
+        return cls(model.config, model.state_dict(), onednn_fp32)
+
+    def pack(self, dtype: torch.dtype) -> None:
+        """Run in ``dtype`` from now on, the products over packed weights where they run here
+        (``ProductLayer.pack``): once the encoder chose its dtype."""
+        for layer in self.layers:
+            layer.pack(dtype)
+        self.dtype, self.shaped = dtype, packs(dtype, self.layers[0].onednn_fp32)
+
+    def forward_dtype(self) -> torch.dtype:
+        """The dtype this call's products run in."""
+        if self.dtype is not None:
+            return self.dtype
+        if torch.is_autocast_enabled("cpu"):
+            return torch.get_autocast_dtype("cpu")
+        return torch.float32
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch's embeddings [rows, width, hidden] as [tokens, hidden], then zero rows up
+        to the products' shape where the forward is ``shaped``."""
+        tokens = x.shape[0] * x.shape[1]
+        x = x.view(tokens, -1)
+        rows = product_rows(tokens) if self.shaped else tokens
+        return F.pad(x, (0, 0, 0, rows - tokens)) if rows > tokens else x
+
+
+class FusedBert(FusedEncoder):
+    """A BERT-family encoder with a fused forward (``bert_family.weight_shapes``)."""
+
+    ARCHITECTURE, INT8 = "BERT-family", True
+
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
+                 onednn_fp32: bool) -> None:
+        super().__init__(config)
+        self.int8 = False  # ``to_int8``
         state, dims = bert_family.bert_names(config, state), bert_family.dims(config)
         self.dims = dims  # its sizes, whatever its config calls them
         self.embeddings = Embeddings(config, state, dims.eps)
@@ -264,16 +313,9 @@ class FusedBert(torch.nn.Module):
             for i in range(dims.layers))
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, onednn_fp32: bool) -> FusedBert:
-        """The fused twin of a loaded transformers model: the same weights."""
-        return cls(model.config, model.state_dict(), onednn_fp32)
-
-    def pack(self, dtype: torch.dtype) -> None:
-        """Run in ``dtype`` from now on, the products over packed weights where they run here
-        (``FusedLayer.pack``): once the encoder chose its dtype."""
-        for layer in self.layers:
-            layer.pack(dtype)
-        self.dtype, self.shaped = dtype, packs(dtype, self.layers[0].onednn_fp32)
+    def checkpoint_weights(cls, config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], str]:
+        return (bert_family.weight_shapes(config),
+                bert_family.CHECKPOINT_PREFIX.get(config.model_type, ""))
 
     def to_int8(self, calibration: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Run in int8 from now on: each layer's products through oneDNN's int8 inner
@@ -294,19 +336,9 @@ class FusedBert(torch.nn.Module):
                 output_attentions: bool = False) -> FusedOutput:
         if output_attentions:
             raise ValueError("FusedBert computes no attention weights; use the model's own")
-        if self.dtype is not None:
-            dtype = self.dtype
-        elif torch.is_autocast_enabled("cpu"):
-            dtype = torch.get_autocast_dtype("cpu")
-        else:
-            dtype = torch.float32
-        shape, tokens = input_ids.shape, input_ids.numel()
-        rows = product_rows(tokens) if self.shaped else tokens
+        dtype, shape, tokens = self.forward_dtype(), input_ids.shape, input_ids.numel()
         with torch.autocast("cpu", enabled=False):
-            x = self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype))
-            x = x.view(tokens, -1)
-            if rows > tokens:  # zero rows up to the products' shape
-                x = F.pad(x, (0, 0, 0, rows - tokens))
+            x = self.flat(self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype)))
             bias = self._attention_bias(attention_mask, dtype)
             states = [x] if output_hidden_states else None  # else each freed once read
             for layer in self.layers:
@@ -438,13 +470,19 @@ def attention_bias(mask: torch.Tensor, dtype: torch.dtype, keys: int | None = No
     (``key_width``'s by default: what ``attend`` takes for this width and dtype); not -inf:
     a row with no real token gets a uniform softmax, as in transformers, not NaNs. None where
     no key is masked (a batch of texts cut at max_length)."""
-    rows, width = mask.shape
-    keys = key_width(width, dtype) if keys is None else keys
-    padding = F.pad(mask == 0, (0, keys - width), value=True)
-    if not padding.any():
-        return None
-    bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, torch.finfo(dtype).min)
-    return bias[:, None, None, :]
+    keys = key_width(mask.shape[1], dtype) if keys is None else keys
+    padding = masked_keys(mask, keys)
+    return masked_bias(padding, dtype)[:, None, None, :] if padding.any() else None
+
+
+def masked_keys(mask: torch.Tensor, keys: int) -> torch.Tensor:
+    """[rows, keys], True at padding and at the keys appended past the mask's width."""
+    return F.pad(mask == 0, (0, keys - mask.shape[1]), value=True)
+
+
+def masked_bias(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``masked`` is False, the most negative ``dtype`` value where it is True."""
+    return torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, torch.finfo(dtype).min)
 
 
 def key_width(width: int, dtype: torch.dtype) -> int:

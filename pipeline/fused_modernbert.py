@@ -15,9 +15,9 @@ and 17% in adds and multiplies (2-core AMX Xeon VM, torch profiler). Fused: 1.08
 forward on summaries, 1.44x on texts of 367 tokens (bench/RESULTS.md).
 
 ``FusedModernBert`` runs the same arithmetic as ``pipeline.fused_bert.FusedBert`` runs BERT's
-(its ``ProductLayer``: packed products, their bias, GELU or residual add in oneDNN's epilogue,
-the batch's tokens flat over ``product_rows`` rows; ``attend``'s kernels; the residual stream
-in bf16 where AMX runs), plus:
+(``FusedEncoder``, ``ProductLayer``: packed products, their bias, GELU or residual add in
+oneDNN's epilogue, the batch's tokens flat over ``product_rows`` rows; ``attend``'s kernels),
+plus:
 
 * the 1/sqrt(head) scale folded into the query rows of ``Wqkv`` once (the rotation is linear);
 * the rotary embedding as one complex product per query and key in fp32 (``Rotary``), each
@@ -29,7 +29,10 @@ in bf16 where AMX runs), plus:
 * a sliding layer's band of keys and the padding in one bias per forward ([rows, 1, queries,
   keys], masked entries the dtype's most negative value: a padding query with no key in its
   band gets a uniform softmax, not NaNs);
-* the residual stream in fp32 even where AMX runs (``FusedModernBert.residual_dtype``).
+* the residual stream in fp32 even where AMX runs (BERT's is bf16 there,
+  ``FusedBert.residual_dtype``): a pre-norm stream adds every layer's output to itself
+  unnormalised, and in bf16 a random ModernBERT-base's vectors of 50 long texts fell to cosine
+  0.99973 to fp32.
 
 Its weights are the model's own state dict (``weight_shapes``), read straight from
 ``model.safetensors`` by ``pipeline.models.loader.read_fused_weights`` where it can. Hidden
@@ -45,11 +48,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from pipeline import bert_family
 from pipeline.fused_bert import (
     GELU,
+    FusedEncoder,
     FusedOutput,
     ProductLayer,
     attend,
@@ -58,10 +61,11 @@ from pipeline.fused_bert import (
     key_width,
     layer_norm_from,
     linear_from,
+    masked_bias,
+    masked_keys,
     query_width,
     under,
 )
-from pipeline.onednn import packs, product_rows
 
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
@@ -187,16 +191,15 @@ class ModernLayer(ProductLayer):
         return self._linear(inner, self.down, dtype, residual=x)
 
 
-class FusedModernBert(torch.nn.Module):
-    """A ModernBERT with a fused forward, built from its config and the model's own state dict
-    (no prefix), called like ``FusedBert``."""
+class FusedModernBert(FusedEncoder):
+    """A ModernBERT with a fused forward (``weight_shapes``)."""
+
+    ARCHITECTURE = "ModernBERT"
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
                  onednn_fp32: bool) -> None:
-        super().__init__()
-        self.config, self.dims = config, dims(config)
-        self.dtype: torch.dtype | None = None  # fixed by ``pack``
-        self.shaped = False  # products over ``product_rows`` rows: where oneDNN runs them
+        super().__init__(config)
+        self.dims = dims(config)
         self.window = int(config.local_attention) // 2
         self.kinds = list(config.layer_types)
         self.tok_embeddings = torch.nn.Embedding.from_pretrained(
@@ -211,37 +214,17 @@ class FusedModernBert(torch.nn.Module):
                        for kind in set(self.kinds)}
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, onednn_fp32: bool) -> FusedModernBert:
-        """The fused twin of a loaded transformers ModernBERT: the same weights."""
-        return cls(model.config, model.state_dict(), onednn_fp32)
-
-    def pack(self, dtype: torch.dtype) -> None:
-        """Run in ``dtype`` from now on, the products packed where they run here."""
-        for layer in self.layers:
-            layer.pack(dtype)
-        self.dtype, self.shaped = dtype, packs(dtype, self.layers[0].onednn_fp32)
-
-    def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """fp32, as under autocast, whatever the products' dtype: a pre-norm stream adds every
-        layer's output to itself unnormalised (``FusedBert.residual_dtype`` keeps BERT's in
-        bf16 where AMX runs). In bf16 a random ModernBERT-base's vectors of 50 long texts fell
-        to cosine 0.99973 to fp32."""
-        return torch.float32
+    def checkpoint_weights(cls, config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], str]:
+        return weight_shapes(config), CHECKPOINT_PREFIX
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
                 output_attentions: bool = False) -> FusedOutput:
         if output_attentions:
             raise ValueError("FusedModernBert computes no attention weights; use the model's own")
-        dtype = self.dtype or (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
-                               else torch.float32)
-        shape, tokens = input_ids.shape, input_ids.numel()
-        rows = product_rows(tokens) if self.shaped else tokens
+        dtype, shape, tokens = self.forward_dtype(), input_ids.shape, input_ids.numel()
         with torch.autocast("cpu", enabled=False):
-            x = self.embedding_norm(self.tok_embeddings(input_ids)).to(self.residual_dtype(dtype))
-            x = x.view(tokens, -1)
-            if rows > tokens:  # zero rows up to the products' shape
-                x = F.pad(x, (0, 0, 0, rows - tokens))
+            x = self.flat(self.embedding_norm(self.tok_embeddings(input_ids)))  # fp32 stream
             biases = self._attention_biases(attention_mask, dtype)
             tables = {kind: rotary.table(shape[1]) for kind, rotary in self.rotary.items()}
             states = [x] if output_hidden_states else None
@@ -267,10 +250,8 @@ class FusedModernBert(torch.nn.Module):
             return dict.fromkeys(LAYER_TYPES, padding)
         keys, queries = key_width(width, dtype), query_width(width, dtype)
         distance = torch.arange(keys)[None, :] - torch.arange(queries)[:, None]
-        masked = F.pad(mask == 0, (0, keys - width), value=True)[:, None, None, :] | (
-            distance.abs() > self.window)[None, None]
-        band = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, torch.finfo(dtype).min)
-        return {"full_attention": padding, "sliding_attention": band}
+        masked = masked_keys(mask, keys)[:, None, None, :] | (distance.abs() > self.window)
+        return {"full_attention": padding, "sliding_attention": masked_bias(masked, dtype)}
 
 
 def _qkv(state: Mapping[str, torch.Tensor], d: bert_family.Dims) -> torch.nn.Linear:

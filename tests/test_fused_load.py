@@ -34,6 +34,7 @@ from transformers import (
 
 from pipeline.config import EncoderConfig
 from pipeline.encoder import Encoder, batch_limits
+from pipeline.fused import fused_forward
 from pipeline.models import loader
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -79,6 +80,12 @@ def save_tiny(folder: Path, kind: str, safetensors: bool = True) -> Path:
     return folder
 
 
+def read_weights(files: loader.ModelFiles, config: object) -> dict[str, torch.Tensor] | None:
+    """What the encoder reads for the fused forward that runs ``config``'s model."""
+    kind = fused_forward(config, torch.device("cpu"))
+    return loader.read_fused_weights(files, *kind.checkpoint_weights(config))
+
+
 def states(encoder: Encoder) -> tuple[list[torch.Tensor], torch.Tensor]:
     ids, mask = encoder.pad(encoder.tokenize(TEXTS))
     layers = set(range(encoder.num_layers + 1))
@@ -92,7 +99,7 @@ def states(encoder: Encoder) -> tuple[list[torch.Tensor], torch.Tensor]:
 def test_weights_read_from_safetensors_give_transformers_states(tmp_path: Path, kind: str) -> None:
     folder = save_tiny(tmp_path, kind)
     files = loader.read_model_files(str(folder))
-    assert loader.read_fused_weights(files, loader.load_config(files, False)) is not None
+    assert read_weights(files, loader.load_config(files, False)) is not None
     encoder = Encoder(EncoderConfig(model=str(folder), device="cpu", dtype="fp32"))
     assert encoder.fused
     got, mask = states(encoder)
@@ -111,7 +118,7 @@ def test_a_checkpoint_only_transformers_reads_goes_through_transformers(tmp_path
     all the same, and its vectors are the safetensors copy's."""
     pickled = save_tiny(tmp_path / "bin", "bert", safetensors=False)
     files = loader.read_model_files(str(pickled))
-    assert loader.read_fused_weights(files, loader.load_config(files, False)) is None
+    assert read_weights(files, loader.load_config(files, False)) is None
     via_transformers = Encoder(EncoderConfig(model=str(pickled), device="cpu", dtype="fp32"))
     direct = Encoder(EncoderConfig(model=str(save_tiny(tmp_path / "st", "bert")), device="cpu",
                                    dtype="fp32"))
@@ -125,9 +132,9 @@ def test_weights_transformers_would_rename_or_refuse_are_left_to_it(tmp_path: Pa
     files = loader.read_model_files(str(folder))
     config = loader.load_config(files, False)
     wider = config.__class__.from_dict(config.to_dict() | {"intermediate_size": 128})
-    assert loader.read_fused_weights(files, wider) is None  # shapes it would refuse
+    assert read_weights(files, wider) is None  # shapes it would refuse
     deeper = config.__class__.from_dict(config.to_dict() | {"num_hidden_layers": 3})
-    assert loader.read_fused_weights(files, deeper) is None  # a layer it would leave random
+    assert read_weights(files, deeper) is None  # a layer it would leave random
 
 
 def test_a_fused_model_sizes_its_cpu_batches_by_its_own_ffn_width(tmp_path: Path) -> None:

@@ -177,21 +177,20 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool,
     return model.eval()
 
 
-def read_fused_weights(files: ModelFiles, config: ModelConfig
+def read_fused_weights(files: ModelFiles, wanted: dict[str, tuple[int, ...]], base: str
                        ) -> dict[str, torch.Tensor] | None:
-    """The weights a fused forward reads (``pipeline.fused_bert`` for the BERT family,
-    ``pipeline.fused_modernbert`` for ModernBERT), under the model's own names (float32), read
-    from its one ``model.safetensors`` without transformers' model classes (importing them took
-    ~1.2 s of MiniLM's ~1.9 s load). None where transformers' own loader must decide: model
-    arguments, a sharded or pickled checkpoint, or names or shapes it would rename, leave
-    missing or refuse."""
+    """The weights ``wanted`` (the model's own names and their shapes, as a fused forward's
+    ``checkpoint_weights`` gives them; float32), read from the model's one
+    ``model.safetensors``, where a task model's checkpoint may hold them under ``base``, without
+    transformers' model classes (importing them took ~1.2 s of MiniLM's ~1.9 s load). None
+    where transformers' own loader must decide: model arguments, a sharded or pickled
+    checkpoint, or names or shapes it would rename, leave missing or refuse."""
     import torch
     from safetensors import safe_open
 
     path = files.transformer_dir / "model.safetensors"
     if _model_args(files) or not path.is_file():
         return None
-    wanted, base = _fused_weights(config)
     with safe_open(str(path), framework="pt") as stored:
         names = set(stored.keys())
         prefix = f"{base}." if f"{base}.{next(iter(wanted))}" in names else ""
@@ -201,18 +200,6 @@ def read_fused_weights(files: ModelFiles, config: ModelConfig
     if any(tuple(state[name].shape) != shape for name, shape in wanted.items()):
         return None
     return state
-
-
-def _fused_weights(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], str]:
-    """The weights the fused forward of ``config``'s model reads and their shapes, and the base
-    model's name inside its task models' checkpoints."""
-    if config.model_type == "modernbert":
-        from pipeline import fused_modernbert
-
-        return fused_modernbert.weight_shapes(config), fused_modernbert.CHECKPOINT_PREFIX
-    from pipeline.bert_family import CHECKPOINT_PREFIX, weight_shapes
-
-    return weight_shapes(config), CHECKPOINT_PREFIX.get(config.model_type, "")
 
 
 _PASSED_ON = ("attn_implementation", "local_files_only", "dtype", "torch_dtype")  # set here
