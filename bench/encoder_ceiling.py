@@ -51,21 +51,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ProductTimer:
-    """Wraps ``ProductLayer._product``: the seconds each product took (a residual add in its
-    epilogue included) and what it multiplied."""
+    """Wraps ``ProductLayer._product``: the seconds each product took (a residual add or a
+    gate's multiply in its epilogue included) and what it multiplied."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[torch.Size, torch.nn.Module, torch.dtype, bool,
-                               torch.dtype | None, float]] = []
+                               tuple[torch.dtype, str] | None, float]] = []
         self._original = ProductLayer._product
 
     def __enter__(self) -> ProductTimer:
         original = self._original
 
-        def timed(layer_self, x, layer, dtype, activation, residual):
+        def timed(layer_self, x, layer, dtype, activation, other, binary="add"):
             start = time.perf_counter()
-            out = original(layer_self, x, layer, dtype, activation, residual)
-            added = None if residual is None else residual.dtype
+            out = original(layer_self, x, layer, dtype, activation, other, binary)
+            added = None if other is None else (other.dtype, binary)
             self.calls.append((x.shape, layer, dtype, activation, added,
                                time.perf_counter() - start))
             return out
@@ -86,13 +86,15 @@ class ProductTimer:
 
 def replay(calls: list, layer_of_model: ProductLayer) -> float:
     """Seconds the products of ``calls`` take back to back, on random inputs of their shapes."""
-    inputs = [(torch.randn(shape).to(dtype),
-               None if added is None else torch.randn(*shape[:-1], layer.out_features).to(added))
-              for shape, layer, dtype, _, added, _ in calls]
+    inputs = [(torch.randn(shape).to(dtype), None if other is None else
+               torch.randn(*shape[:-1], layer.out_features).to(other[0]))
+              for shape, layer, dtype, _, other, _ in calls]
     with torch.inference_mode():
         start = time.perf_counter()
-        for (x, residual), (_, layer, dtype, activation, *_) in zip(inputs, calls, strict=True):
-            ProductLayer._product(layer_of_model, x, layer, dtype, activation, residual)
+        for (x, tensor), (_, layer, dtype, activation, other, _) in zip(inputs, calls,
+                                                                        strict=True):
+            binary = "add" if other is None else other[1]
+            ProductLayer._product(layer_of_model, x, layer, dtype, activation, tensor, binary)
         return time.perf_counter() - start
 
 

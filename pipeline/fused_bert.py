@@ -132,9 +132,9 @@ class Embeddings(torch.nn.Module):
 
 class ProductLayer(torch.nn.Module):
     """A layer whose Linears (``PRODUCTS``, GELU after ``GELU_PRODUCT``'s) run as the fused
-    forward runs them: packed for oneDNN once the dtype is fixed, the bias, GELU or a residual
-    add in the product's epilogue where oneDNN runs it. Subclasses set ``gelu`` (oneDNN's
-    algorithm name) and ``onednn_fp32``."""
+    forward runs them: packed for oneDNN once the dtype is fixed, the bias, GELU, a residual
+    add or a gate's multiply in the product's epilogue where oneDNN runs it. Subclasses set
+    ``gelu`` (oneDNN's algorithm name) and ``onednn_fp32``."""
 
     PRODUCTS: tuple[str, ...] = ()
     GELU_PRODUCT = "up"
@@ -157,17 +157,26 @@ class ProductLayer(torch.nn.Module):
                 linear.to(dtype)
 
     def _linear(self, x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype,
-                activation: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``layer(x)`` in ``dtype``, GELU after where ``activation``, ``+ residual`` where
-        given: in the product's epilogue where the residual has the product's dtype and oneDNN
-        runs it (in fp32 bit for bit the add after it), else as a pass of its own (an fp32
-        residual + a bf16 product: torch widens the product in a pass of its own first, 1.06
-        ms against 0.70 for fp32 + fp32 over [32, 256, 384] on an AMX Xeon VM; no CPU kernel
-        of torch 2.13 writes a bf16 product in fp32, see bench/RESULTS.md)."""
-        in_epilogue = residual is not None and residual.dtype == dtype and self._onednn(layer,
-                                                                                      dtype)
-        out = self._product(x, layer, dtype, activation, residual if in_epilogue else None)
-        return out if residual is None or in_epilogue else residual + out
+                activation: bool = False, residual: torch.Tensor | None = None,
+                times: torch.Tensor | None = None, owned: bool = False) -> torch.Tensor:
+        """``layer(x)`` in ``dtype``, GELU after where ``activation``, ``+ residual`` or ``*
+        times`` (a gated feed-forward's other half) where given: in the product's epilogue
+        where that tensor has the product's dtype and oneDNN runs it (in fp32 bit for bit the
+        pass after it), else as a pass of its own, in place into ``times``, or into
+        ``residual`` where the layer ``owned`` it (made it, and no caller keeps it), else into
+        a new tensor. An fp32 residual + a bf16 product: torch widens the product in a pass of
+        its own first (1.06 ms against 0.70 for fp32 + fp32 over [32, 256, 384] on an AMX
+        Xeon VM; in place over [4,096, 768] 0.91 against 1.21 ms); no CPU kernel of torch 2.13
+        writes a bf16 product in fp32, see bench/RESULTS.md."""
+        other, binary = (residual, "add") if times is None else (times, "mul")
+        if other is None:
+            return self._product(x, layer, dtype, activation, None)
+        if other.dtype == dtype and self._onednn(layer, dtype):
+            return self._product(x, layer, dtype, activation, other, binary)
+        out = self._product(x, layer, dtype, activation, None)
+        if times is not None:
+            return times.mul_(out)
+        return residual.add_(out) if owned else residual + out
 
     def _onednn(self, layer: torch.nn.Module, dtype: torch.dtype) -> bool:
         """Whether ``_product`` runs ``layer`` through oneDNN's (non-int8) product."""
@@ -175,17 +184,19 @@ class ProductLayer(torch.nn.Module):
             not isinstance(layer, Int8Linear) and (dtype != torch.float32 or self.onednn_fp32))
 
     def _product(self, x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype,
-                 activation: bool, residual: torch.Tensor | None) -> torch.Tensor:
-        """``layer(x)`` (+ ``residual`` in oneDNN's epilogue) in ``dtype`` (an ``Int8Linear``
-        or a ``PackedLinear`` casts ``x`` and applies its GELU itself)."""
+                 activation: bool, other: torch.Tensor | None,
+                 binary: str = "add") -> torch.Tensor:
+        """``layer(x)`` in ``dtype``, ``other`` added or multiplied (``binary``) in oneDNN's
+        epilogue where given (an ``Int8Linear`` or a ``PackedLinear`` casts ``x`` and applies
+        its GELU itself)."""
         if isinstance(layer, PackedLinear):
-            return layer(x, residual)
+            return layer(x, other, binary)
         if isinstance(layer, Int8Linear):
             return layer(x)
         x, weight = x.to(dtype), layer.weight.to(dtype)  # no-ops once the dtype is fixed
         bias = None if layer.bias is None else layer.bias.to(dtype)
-        if residual is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+        if other is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, weight, bias, binary)
         if self._onednn(layer, dtype):
             attr, algorithm = ("gelu", self.gelu) if activation else ("none", "")
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
@@ -215,24 +226,26 @@ class FusedLayer(ProductLayer):
         self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
 
     def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, owned: bool = False) -> torch.Tensor:
         """The layer over ``x``: [tokens, hidden], the batch's ``shape`` (rows, width) flat, then
-        rows of zeros up to its product rows (``FusedBert.forward``), which stay finite."""
+        rows of zeros up to its product rows (``FusedBert.forward``), which stay finite;
+        written in place where ``owned`` (no caller keeps it)."""
         rows, width = shape
         qkv = self._linear(x, self.qkv, dtype)
         q, k, v = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         context = qkv.new_empty((len(x), qkv.shape[1] // 3))
         context[rows * width:] = 0
         attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
-        x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x))
+        x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x, owned=owned))
         return self.norm2(self._feed_forward(x, dtype))
 
     def _feed_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``x`` + the FFN's output."""
+        """``x`` + the FFN's output (into ``x``, which the layer made, where not added in the
+        product's epilogue)."""
         if self.ffn is not None:
             return self.ffn(x)
         inner = self._linear(x, self.up, dtype, activation=True)
-        return self._linear(inner, self.down, dtype, residual=x)
+        return self._linear(inner, self.down, dtype, residual=x, owned=True)
 
     def to_int8(self) -> None:
         """Query/key/value, the attention output and the FFN (``pipeline.int8_ffn``, settled
@@ -342,7 +355,7 @@ class FusedBert(FusedEncoder):
             bias = self._attention_bias(attention_mask, dtype)
             states = [x] if output_hidden_states else None  # else each freed once read
             for layer in self.layers:
-                x = layer(x, shape, bias, dtype)
+                x = layer(x, shape, bias, dtype, owned=states is None)
                 if states is not None:
                     states.append(x)
         if states is None:

@@ -24,8 +24,9 @@ plus:
   head's dimensions reordered once in ``Wqkv`` so that the pairs it rotates sit side by side,
   its angles built once a forward per theta, written straight into the head-major layout
   attention reads;
-* the gate's two halves as two products: GELU in the first one's epilogue, the second one's
-  output multiplied into it in place;
+* the gate's two halves as two products over one cast of their input: GELU in the first
+  one's epilogue, which the second one's epilogue multiplies into its output where oneDNN
+  runs it (else in place after it);
 * a sliding layer's band of keys and the padding in one bias per forward ([rows, 1, queries,
   keys], masked entries the dtype's most negative value: a padding query with no key in its
   band gets a uniform softmax, not NaNs);
@@ -173,9 +174,10 @@ class ModernLayer(ProductLayer):
         self.down = linear_from(state, "mlp.Wo")
 
     def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
-                rotary: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                rotary: torch.Tensor, dtype: torch.dtype, owned: bool = False) -> torch.Tensor:
         """The layer over ``x``: [tokens, hidden], the batch's ``shape`` (rows, width) flat,
-        then zero rows up to its product rows; ``rotary``: this layer's ``Rotary.table``."""
+        then zero rows up to its product rows, written in place where ``owned`` (no caller
+        keeps it); ``rotary``: this layer's ``Rotary.table``."""
         rows, width = shape
         normed = x if self.attn_norm is None else self.attn_norm(x)
         qkv = self._linear(normed, self.qkv, dtype)
@@ -184,11 +186,11 @@ class ModernLayer(ProductLayer):
         context = qkv.new_empty((len(x), qkv.shape[1] // 3))
         context[rows * width:] = 0
         attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
-        x = self._linear(context, self.out_proj, dtype, residual=x)
-        normed = self.mlp_norm(x)
+        x = self._linear(context, self.out_proj, dtype, residual=x, owned=owned)
+        normed = self.mlp_norm(x).to(dtype)  # cast once for both halves
         inner = self._linear(normed, self.up, dtype, activation=True)
-        inner.mul_(self._linear(normed, self.gate, dtype))
-        return self._linear(inner, self.down, dtype, residual=x)
+        inner = self._linear(normed, self.gate, dtype, times=inner)
+        return self._linear(inner, self.down, dtype, residual=x, owned=True)
 
 
 class FusedModernBert(FusedEncoder):
@@ -229,7 +231,7 @@ class FusedModernBert(FusedEncoder):
             tables = {kind: rotary.table(shape[1]) for kind, rotary in self.rotary.items()}
             states = [x] if output_hidden_states else None
             for kind, layer in zip(self.kinds, self.layers, strict=True):
-                x = layer(x, shape, biases[kind], tables[kind], dtype)
+                x = layer(x, shape, biases[kind], tables[kind], dtype, owned=states is None)
                 if states is not None:
                     states.append(x)
             last = self.final_norm(x[:tokens]).view(*shape, -1).float()

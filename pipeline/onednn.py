@@ -69,12 +69,13 @@ class PackedLinear(torch.nn.Module):
     """A Linear's product through oneDNN in ``dtype``, its weight reordered once into the
     blocked layout oneDNN's kernel reads (``_reorder_linear_weight``), the bias added and GELU
     (oneDNN's ``gelu`` algorithm: "none" exact, "tanh") applied in the product where given, or a
-    residual added after the bias. The same arithmetic as ``_linear_pointwise`` over the plain
-    weight, bit for bit (tested): only the reorder, which oneDNN's kernel otherwise repeats on
-    every call, is gone. A [6,144 x 384] x [384 x 1,536] bf16 product took 12.8 ms over the
-    plain weight and 10.7 ms over the packed one (oneDNN's verbose log, 2-core AVX512-BF16 EPYC
-    VM). ``gelu_apart``: the GELU as ATen's pass in place after the product instead, where that
-    was measured faster (``pipeline.hardware.fp32_gelu_apart``)."""
+    residual added (a gate multiplied in) after the bias. The same arithmetic as
+    ``_linear_pointwise`` over the plain weight, bit for bit (tested): only the reorder, which
+    oneDNN's kernel otherwise repeats on every call, is gone. A [6,144 x 384] x [384 x 1,536]
+    bf16 product took 12.8 ms over the plain weight and 10.7 ms over the packed one (oneDNN's
+    verbose log, 2-core AVX512-BF16 EPYC VM). ``gelu_apart``: the GELU as ATen's pass in place
+    after the product instead, where that was measured faster
+    (``pipeline.hardware.fp32_gelu_apart``)."""
 
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype, gelu: str | None = None,
                  gelu_apart: bool = False) -> None:
@@ -88,20 +89,23 @@ class PackedLinear(torch.nn.Module):
         self.dtype, self.in_features, self.out_features = (dtype, linear.in_features,
                                                            linear.out_features)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The product, plus ``residual`` (in this product's dtype, no GELU here) added in its
-        epilogue (oneDNN's binary post-op) where given."""
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None,
+                binary: str = "add") -> torch.Tensor:
+        """The product; where ``other`` is given (in this product's dtype, no GELU here), it
+        added to it (``binary`` "add": a residual) or multiplied into it ("mul": a gate) in its
+        epilogue (oneDNN's binary post-op), on the fp32 accumulator before the output's
+        rounding."""
         x = x.to(self.dtype)
-        if residual is None:
+        if other is None:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.post_op,
                                                      [], self.algorithm)
             if self.gelu_after is not None:
                 torch.ops.aten.gelu_(out, approximate=self.gelu_after)
             return out
         if self.post_op != "none" or self.gelu_after is not None:
-            raise ValueError("a residual add follows no activation in one product")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias,
-                                                         "add")
+            raise ValueError(f"a binary {binary} follows no activation in one product")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias,
+                                                         binary)
 
 
 def packs(dtype: torch.dtype, onednn_fp32: bool) -> bool:

@@ -230,11 +230,11 @@ def test_packed_products_take_a_few_row_counts_and_give_the_batchs_own_states(
     seen: list[int] = []
     forward = PackedLinear.forward
 
-    def spy(self: PackedLinear, x: torch.Tensor, residual: torch.Tensor | None = None
-            ) -> torch.Tensor:
+    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
+            binary: str = "add") -> torch.Tensor:
         seen.append(len(x))
         assert bool(torch.isfinite(x).all())
-        return forward(self, x, residual)
+        return forward(self, x, other, binary)
 
     monkeypatch.setattr(PackedLinear, "forward", spy)
     for rows, width in [(5, 23), (8, 40), (1, 3)]:
@@ -335,11 +335,12 @@ def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_pr
     added: list[torch.dtype] = []
     forward = PackedLinear.forward
 
-    def spy(self: PackedLinear, x: torch.Tensor, residual: torch.Tensor | None = None
-            ) -> torch.Tensor:
-        if residual is not None:
-            added.append(residual.dtype)
-        return forward(self, x, residual)
+    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
+            binary: str = "add") -> torch.Tensor:
+        if other is not None:
+            assert binary == "add"
+            added.append(other.dtype)
+        return forward(self, x, other, binary)
 
     monkeypatch.setattr(PackedLinear, "forward", spy)
     with torch.inference_mode():

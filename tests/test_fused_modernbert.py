@@ -170,6 +170,42 @@ def test_packed_products_give_the_batchs_own_states(dtype: torch.dtype) -> None:
         assert float(cosine.min()) > 0.999
 
 
+@pytest.mark.parametrize(("dtype", "onednn_fp32"),
+                         [(torch.float32, False), (torch.bfloat16, True)], ids=["mkl", "bf16"])
+def test_a_forward_that_keeps_no_states_adds_in_place_to_the_same_vectors(
+        dtype: torch.dtype, onednn_fp32: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The residual adds that are passes of their own (MKL's fp32 products; a bf16 product
+    onto the fp32 stream) go into the stream in place when no layer's states are kept: the
+    same last state, bit for bit, as the forward that keeps them (and leaves them as
+    transformers' are); packed, the gate multiplies into the GELU half in the epilogue."""
+    if not packs(dtype, onednn_fp32) and dtype != torch.float32:
+        pytest.skip(f"this CPU or torch packs no {dtype} weights for oneDNN")
+    model = tiny()
+    fused = FusedModernBert.from_model(model, onednn_fp32=onednn_fp32)
+    fused.pack(dtype)
+    binaries: list[str] = []
+    forward = PackedLinear.forward
+
+    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
+            binary: str = "add") -> torch.Tensor:
+        if other is not None:
+            binaries.append(binary)
+        return forward(self, x, other, binary)
+
+    monkeypatch.setattr(PackedLinear, "forward", spy)
+    ids, mask = batch(5, 23)
+    with torch.inference_mode():
+        kept = fused(ids, mask, output_hidden_states=True)
+        last = fused(ids, mask)
+        want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert last.hidden_states is None
+    assert torch.equal(last.last_hidden_state, kept.last_hidden_state)
+    assert binaries == (["mul"] * 2 * len(fused.layers) if onednn_fp32 else [])
+    for ours, theirs in zip(kept.hidden_states, want.hidden_states, strict=True):
+        cosine = F.cosine_similarity(real(ours, mask), real(theirs, mask), -1)
+        assert float(cosine.min()) > (0.99999 if dtype == torch.float32 else 0.999)
+
+
 def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
     model = tiny()
     ids, mask = batch(3, 30)

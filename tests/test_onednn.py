@@ -115,10 +115,16 @@ def test_packed_linears_compute_the_linears_products(dtype: torch.dtype) -> None
             assert torch.equal(with_residual, want[0] + residual)
         else:  # rounded to bf16 once, not twice
             torch.testing.assert_close(with_residual, want[0] + residual, atol=2e-2, rtol=2e-2)
-        with pytest.raises(ValueError, match="residual"):
+        gate = torch.randn(3, 5, 64).to(dtype)
+        gated = packed[0](x, gate, "mul")  # multiplied in the epilogue
+        if dtype == torch.float32:  # as the multiply after the product, bit for bit
+            assert torch.equal(gated, want[0] * gate)
+        else:
+            torch.testing.assert_close(gated, want[0] * gate, atol=2e-2, rtol=2e-2)
+        with pytest.raises(ValueError, match="binary add follows no activation"):
             PackedLinear(plain[0], dtype, gelu="none")(x, residual)
-        with pytest.raises(ValueError, match="residual"):
-            PackedLinear(plain[0], dtype, gelu="none", gelu_apart=True)(x, residual)
+        with pytest.raises(ValueError, match="binary mul follows no activation"):
+            PackedLinear(plain[0], dtype, gelu="none", gelu_apart=True)(x, gate, "mul")
 
 
 def test_a_model_that_keeps_its_own_forward_is_packed_once_its_dtype_is_fixed(
