@@ -20,10 +20,10 @@ oneDNN's epilogue, the batch's tokens flat over ``product_rows`` rows; ``attend`
 plus:
 
 * the 1/sqrt(head) scale folded into the query rows of ``Wqkv`` once (the rotation is linear);
-* the rotary embedding as one complex product per query and key in fp32 (``Rotary``), each
-  head's dimensions reordered once in ``Wqkv`` so that the pairs it rotates sit side by side,
-  its angles built once a forward per theta, written straight into the head-major layout
-  attention reads;
+* the rotary embedding as one complex product in place over the query and key together in
+  fp32 (``Rotary``), each head's dimensions reordered once in ``Wqkv`` so that the pairs it
+  rotates sit side by side, its angles built once a forward per theta, written straight into
+  the head-major layout attention reads;
 * the gate's two halves as two products over one cast of their input: GELU in the first
   one's epilogue, which the second one's epilogue multiplies into its output where oneDNN
   runs it (else in place after it);
@@ -33,7 +33,8 @@ plus:
 * the residual stream in fp32 even where AMX runs (BERT's is bf16 there,
   ``FusedBert.residual_dtype``): a pre-norm stream adds every layer's output to itself
   unnormalised, and in bf16 a random ModernBERT-base's vectors of 50 long texts fell to cosine
-  0.99973 to fp32.
+  0.99973 to fp32. A bf16 product is added into it in place where no caller keeps the
+  layer's input (``ProductLayer._linear``'s ``owned``).
 
 Its weights are the model's own state dict (``weight_shapes``), read straight from
 ``model.safetensors`` by ``pipeline.models.loader.read_fused_weights`` where it can. Hidden
@@ -143,11 +144,12 @@ class Rotary(torch.nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """``x`` ([rows, heads, width, head] in ``pair_order``, any strides) rotated in fp32,
+        """``x`` ([..., width, head] in ``pair_order``, any strides: the query and the key
+        stacked, [2, rows, heads, width, head]) rotated in fp32 (a copy multiplied in place),
         back in its dtype, contiguous."""
         pairs = x.to(torch.float32, memory_format=torch.contiguous_format).unflatten(-1, (-1, 2))
-        rotated = torch.view_as_real(torch.view_as_complex(pairs) * table)
-        return rotated.flatten(-2).to(x.dtype)
+        torch.view_as_complex(pairs).mul_(table)
+        return pairs.flatten(-2).to(x.dtype)
 
 
 def pair_order(head: int) -> torch.Tensor:
@@ -181,8 +183,8 @@ class ModernLayer(ProductLayer):
         rows, width = shape
         normed = x if self.attn_norm is None else self.attn_norm(x)
         qkv = self._linear(normed, self.qkv, dtype)
-        q, k, v = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        q, k = (Rotary.rotate(t, rotary) for t in (q, k))
+        heads = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        (q, k), v = Rotary.rotate(heads[:2], rotary), heads[2]
         context = qkv.new_empty((len(x), qkv.shape[1] // 3))
         context[rows * width:] = 0
         attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
