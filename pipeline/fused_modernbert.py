@@ -11,8 +11,8 @@ eight passes in fp32 (casts, two products, a negation, a concatenation, an add),
 casts of an fp32 residual stream before each product and GELU and the gate as passes of
 their own: with its products packed for oneDNN, a random ModernBERT-base in bf16 spent 42% of
 its forward over PyPI summaries in products, 15% in SDPA (slow over short rows), 10% in casts
-and 17% in adds and multiplies (2-core AMX Xeon VM, torch profiler). Fused: 1.08x that
-forward on summaries, 1.44x on texts of 367 tokens (bench/RESULTS.md).
+and 17% in adds and multiplies (2-core AMX Xeon VM, torch profiler). Fused: 1.42x that
+forward on summaries, 1.62x on texts of 374 tokens (one run; bench/RESULTS.md).
 
 ``FusedModernBert`` runs the same arithmetic as ``pipeline.fused_bert.FusedBert`` runs BERT's
 (``FusedEncoder``, ``ProductLayer``: packed products, their bias, GELU or residual add in
