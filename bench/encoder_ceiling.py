@@ -65,8 +65,8 @@ class ProductTimer:
         def timed(layer_self, x, layer, dtype, activation, other, binary="add"):
             start = time.perf_counter()
             out = original(layer_self, x, layer, dtype, activation, other, binary)
-            added = None if other is None else (other.dtype, binary)
-            self.calls.append((x.shape, layer, dtype, activation, added,
+            epilogue = None if other is None else (other.dtype, binary)
+            self.calls.append((x.shape, layer, dtype, activation, epilogue,
                                time.perf_counter() - start))
             return out
 

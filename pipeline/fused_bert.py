@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from pipeline import bert_family, graph_attention, hardware
 from pipeline.int8_ffn import Int8FeedForward
 from pipeline.int8_linear import Int8Linear, calibrate
-from pipeline.onednn import PackedLinear, packs, product_rows
+from pipeline.onednn import Binary, PackedLinear, packs, product_rows
 
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
@@ -185,7 +185,7 @@ class ProductLayer(torch.nn.Module):
 
     def _product(self, x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype,
                  activation: bool, other: torch.Tensor | None,
-                 binary: str = "add") -> torch.Tensor:
+                 binary: Binary = "add") -> torch.Tensor:
         """``layer(x)`` in ``dtype``, ``other`` added or multiplied (``binary``) in oneDNN's
         epilogue where given (an ``Int8Linear`` or a ``PackedLinear`` casts ``x`` and applies
         its GELU itself)."""

@@ -29,12 +29,15 @@ every call.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 MIN_GAIN = 1.2  # oneDNN must beat MKL by this much to be used (else: bit-identical default)
 FUSED_MIN_GAIN = 1.0  # the fused forward's products: oneDNN where it is as fast as MKL
 ROW_STEP = 1024  # ``product_rows``: past this many rows, a multiple of it (or of an 8th octave)
 MIN_ROWS = 16  # the smallest: a query's few tokens
+Binary = Literal["add", "mul"]  # what a product's epilogue does with a second tensor
 
 
 def product_rows(rows: int) -> int:
@@ -90,11 +93,11 @@ class PackedLinear(torch.nn.Module):
                                                            linear.out_features)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None,
-                binary: str = "add") -> torch.Tensor:
-        """The product; where ``other`` is given (in this product's dtype, no GELU here), it
-        added to it (``binary`` "add": a residual) or multiplied into it ("mul": a gate) in its
-        epilogue (oneDNN's binary post-op), on the fp32 accumulator before the output's
-        rounding."""
+                binary: Binary = "add") -> torch.Tensor:
+        """The product, with ``other`` (in this product's dtype; no GELU here) added to it
+        (``binary`` "add": a residual) or multiplied into it ("mul": a gate) in its epilogue
+        where given: oneDNN's binary post-op, on the fp32 accumulator before the output is
+        rounded."""
         x = x.to(self.dtype)
         if other is None:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.post_op,
