@@ -113,7 +113,6 @@ class Encoder:
                                                    self.cfg.trust_remote_code)
             self.int8_kernel = self._int8_kernel(config)
             self.fused_forward = self._fused_forward(config, need_attention)
-            self.fused = self.fused_forward is not None
             self.fp32_kernel = self._fp32_kernel()
             self.model = self._load_model(config, need_attention)
         except ConfigError:
@@ -180,6 +179,11 @@ class Encoder:
         # take the texts that fit there, past the default row limit (a user's still holds)
         shaped = getattr(self.model, "shaped", False) and cfg.max_batch_rows is None
         self.batch_shape: Callable[[int], int] | None = product_rows if shaped else None
+
+    @property
+    def fused(self) -> bool:
+        """Whether a fused forward (``fused_forward``) runs the model."""
+        return self.fused_forward is not None
 
     def _int8_kernel(self, config: recorded.ModelConfig) -> str | None:
         """Where ``dtype int8`` runs (None for any other dtype): the job's ``int8_kernel``, or

@@ -298,6 +298,45 @@ class FusedEncoder(torch.nn.Module):
             return torch.get_autocast_dtype("cpu")
         return torch.float32
 
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
+                output_attentions: bool = False) -> FusedOutput:
+        """The transformers model's call: the embeddings (``embed``), then each layer over the
+        batch's tokens flat with its own inputs (``layer_inputs``), written in place where no
+        state is kept, the last one through ``final``; the states as transformers gives them,
+        fp32."""
+        if output_attentions:
+            raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes no attention "
+                             "weights; use the model's own")
+        dtype, shape, tokens = self.forward_dtype(), input_ids.shape, input_ids.numel()
+        with torch.autocast("cpu", enabled=False):
+            x = self.flat(self.embed(input_ids, token_type_ids, dtype))
+            inputs = self.layer_inputs(attention_mask, dtype)
+            states = [x] if output_hidden_states else None  # else each freed once read
+            for layer, extra in zip(self.layers, inputs, strict=True):
+                x = layer(x, shape, *extra, dtype, owned=states is None)
+                if states is not None:
+                    states.append(x)
+            last = self.final(x[:tokens]).view(*shape, -1).float()
+        if states is None:
+            return FusedOutput(last)
+        every = [state[:tokens].view(*shape, -1).float() for state in states[:-1]]
+        return FusedOutput(last, (*every, last))
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+        """The batch's embeddings, [rows, width, hidden], in the residual stream's dtype."""
+        raise NotImplementedError
+
+    def layer_inputs(self, mask: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
+        """Each layer's inputs besides the stream (its attention bias, ...), built once a
+        forward."""
+        raise NotImplementedError
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output [tokens, hidden] as the model returns it (as it is here)."""
+        return x
+
     def flat(self, x: torch.Tensor) -> torch.Tensor:
         """The batch's embeddings [rows, width, hidden] as [tokens, hidden], then zero rows up
         to the products' shape where the forward is ``shaped``."""
@@ -344,24 +383,13 @@ class FusedBert(FusedEncoder):
             layer.ffn.settle(ranges)
         self.shaped = True  # after the calibration, which the zero rows would widen
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
-                output_attentions: bool = False) -> FusedOutput:
-        if output_attentions:
-            raise ValueError("FusedBert computes no attention weights; use the model's own")
-        dtype, shape, tokens = self.forward_dtype(), input_ids.shape, input_ids.numel()
-        with torch.autocast("cpu", enabled=False):
-            x = self.flat(self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype)))
-            bias = self._attention_bias(attention_mask, dtype)
-            states = [x] if output_hidden_states else None  # else each freed once read
-            for layer in self.layers:
-                x = layer(x, shape, bias, dtype, owned=states is None)
-                if states is not None:
-                    states.append(x)
-        if states is None:
-            return FusedOutput(x[:tokens].view(*shape, -1).float())
-        every = tuple(state[:tokens].view(*shape, -1).float() for state in states)
-        return FusedOutput(every[-1], every)
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+        return self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype))
+
+    def layer_inputs(self, mask: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
+        """Every layer's attention bias, the same one (``_attention_bias``)."""
+        return [(self._attention_bias(mask, dtype),)] * len(self.layers)
 
     def _attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """What every layer adds to its attention scores: the padding mask

@@ -55,7 +55,6 @@ from pipeline import bert_family
 from pipeline.fused_bert import (
     GELU,
     FusedEncoder,
-    FusedOutput,
     ProductLayer,
     attend,
     attention_bias,
@@ -221,26 +220,19 @@ class FusedModernBert(FusedEncoder):
     def checkpoint_weights(cls, config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], str]:
         return weight_shapes(config), CHECKPOINT_PREFIX
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
-                output_attentions: bool = False) -> FusedOutput:
-        if output_attentions:
-            raise ValueError("FusedModernBert computes no attention weights; use the model's own")
-        dtype, shape, tokens = self.forward_dtype(), input_ids.shape, input_ids.numel()
-        with torch.autocast("cpu", enabled=False):
-            x = self.flat(self.embedding_norm(self.tok_embeddings(input_ids)))  # fp32 stream
-            biases = self._attention_biases(attention_mask, dtype)
-            tables = {kind: rotary.table(shape[1]) for kind, rotary in self.rotary.items()}
-            states = [x] if output_hidden_states else None
-            for kind, layer in zip(self.kinds, self.layers, strict=True):
-                x = layer(x, shape, biases[kind], tables[kind], dtype, owned=states is None)
-                if states is not None:
-                    states.append(x)
-            last = self.final_norm(x[:tokens]).view(*shape, -1).float()
-        if states is None:
-            return FusedOutput(last)
-        every = [state[:tokens].view(*shape, -1).float() for state in states[:-1]]
-        return FusedOutput(last, (*every, last))
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+        return self.embedding_norm(self.tok_embeddings(input_ids))  # the fp32 stream
+
+    def layer_inputs(self, mask: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
+        """Each layer's attention bias and rotary table, by its layer type, each built once a
+        forward."""
+        biases = self._attention_biases(mask, dtype)
+        tables = {kind: rotary.table(mask.shape[1]) for kind, rotary in self.rotary.items()}
+        return [(biases[kind], tables[kind]) for kind in self.kinds]
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        return self.final_norm(x)
 
     def _attention_biases(self, mask: torch.Tensor, dtype: torch.dtype
                           ) -> dict[str, torch.Tensor | None]:
