@@ -179,6 +179,7 @@ class Embedder:
         batches = token_budget_batches(
             pieces.lengths + lead[pieces.row] + specials, self.encoder.token_budget,
             self.encoder.max_batch_rows, self.encoder.min_fill, self.encoder.batch_shape,
+            self.encoder.unpadded_below,
         )
         for idx in batches:
             rows = pieces.row[idx]

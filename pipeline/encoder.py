@@ -179,6 +179,8 @@ class Encoder:
         # take the texts that fit there, past the default row limit (a user's still holds)
         shaped = getattr(self.model, "shaped", False) and cfg.max_batch_rows is None
         self.batch_shape: Callable[[int], int] | None = product_rows if shaped else None
+        # where the fused forward computes a batch's real tokens alone, the planner counts those
+        self.unpadded_below: int = self.model.unpadded_below() if self.fused else 0
 
     @property
     def fused(self) -> bool:

@@ -46,7 +46,7 @@ product and bf16 run natively here, else takes the transformers model to ONNX Ru
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Literal
@@ -58,6 +58,7 @@ from pipeline import bert_family, graph_attention, hardware
 from pipeline.int8_ffn import Int8FeedForward
 from pipeline.int8_linear import Int8Linear, calibrate
 from pipeline.onednn import Binary, PackedLinear, packs, product_rows
+from pipeline.token_layout import Layout, Run
 
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
@@ -69,6 +70,7 @@ SCORE_BLOCK_BYTES = 8 << 20  # attention scores per block of rows
 MIN_KEYS = 16  # narrower attention rows get masked keys appended
 BF16_SOFTMAX_KEYS = 64  # narrower bf16 rows take their softmax in fp32
 AMX_SDPA_MIN_KEYS = 32  # where AMX runs, bf16 rows this wide take SDPA (``attention_kernel``)
+UNPADDED_ALWAYS = 1 << 30  # ``unpadded_below`` where every batch runs unpadded
 
 
 def fusable(config: ModelConfig, device: torch.device) -> bool:
@@ -156,6 +158,27 @@ class ProductLayer(torch.nn.Module):
             else:
                 linear.to(dtype)
 
+    def _attend(self, qkv: torch.Tensor, runs: Sequence[tuple[Run, tuple]]) -> torch.Tensor:
+        """Attention's context [tokens, hidden] from the query/key/value product's [tokens,
+        3 x hidden] (its rows past the runs' tokens: zeros), once a run of rows, each with its
+        inputs: its bias, then what ``positioned`` takes."""
+        context = qkv.new_empty((len(qkv), qkv.shape[1] // 3))
+        end = 0
+        for run, (bias, *positions) in runs:
+            span, end = run.span, run.span.stop
+            heads = qkv[span].view(run.rows, run.width, 3, self.heads, -1).permute(
+                2, 0, 3, 1, 4)
+            q, k, v = self.positioned(heads, *positions)
+            attend(q, k, v, bias, out=context[span].view(run.rows, run.width, -1))
+        context[end:] = 0
+        return context
+
+    def positioned(self, heads: torch.Tensor, *positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query, key and value ([3, rows, heads, width, head]) with the positions the layer
+        gives them in attention (none here: BERT's are in its embeddings)."""
+        return heads[0], heads[1], heads[2]
+
     def _linear(self, x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype,
                 activation: bool = False, residual: torch.Tensor | None = None,
                 times: torch.Tensor | None = None, owned: bool = False) -> torch.Tensor:
@@ -225,17 +248,12 @@ class FusedLayer(ProductLayer):
         self.heads, self.gelu, self.onednn_fp32 = heads, GELU[dims.activation], onednn_fp32
         self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
 
-    def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
-                dtype: torch.dtype, owned: bool = False) -> torch.Tensor:
-        """The layer over ``x``: [tokens, hidden], the batch's ``shape`` (rows, width) flat, then
-        rows of zeros up to its product rows (``FusedBert.forward``), which stay finite;
-        written in place where ``owned`` (no caller keeps it)."""
-        rows, width = shape
-        qkv = self._linear(x, self.qkv, dtype)
-        q, k, v = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        context = qkv.new_empty((len(x), qkv.shape[1] // 3))
-        context[rows * width:] = 0
-        attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
+    def forward(self, x: torch.Tensor, runs: Sequence[tuple[Run, tuple]], dtype: torch.dtype,
+                owned: bool = False) -> torch.Tensor:
+        """The layer over ``x``: [tokens, hidden], the batch's ``runs`` of rows with each one's
+        attention bias (``FusedEncoder.forward``), then rows of zeros up to its product rows,
+        which stay finite; written in place where ``owned`` (no caller keeps it)."""
+        context = self._attend(self._linear(x, self.qkv, dtype), runs)
         x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x, owned=owned))
         return self.norm2(self._feed_forward(x, dtype))
 
@@ -302,25 +320,28 @@ class FusedEncoder(torch.nn.Module):
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
                 output_attentions: bool = False) -> FusedOutput:
         """The transformers model's call: the embeddings (``embed``), then each layer over the
-        batch's tokens flat with its own inputs (``layer_inputs``), written in place where no
-        state is kept, the last one through ``final``; the states as transformers gives them,
-        fp32."""
+        batch's tokens flat (``layout``) with its own inputs for each run of rows
+        (``layer_inputs``), written in place where no state is kept, the last one through
+        ``final``; the states as transformers gives them, fp32 (zeros at the padding where
+        the stream held the real tokens alone)."""
         if output_attentions:
             raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes no attention "
                              "weights; use the model's own")
-        dtype, shape, tokens = self.forward_dtype(), input_ids.shape, input_ids.numel()
+        dtype = self.forward_dtype()
+        layout = self.layout(attention_mask, dtype)
         with torch.autocast("cpu", enabled=False):
-            x = self.flat(self.embed(input_ids, token_type_ids, dtype))
-            inputs = self.layer_inputs(attention_mask, dtype)
+            x = self.flat(self.embed(input_ids, token_type_ids, dtype), layout)
+            inputs = self.layer_inputs(attention_mask, layout, dtype)
             states = [x] if output_hidden_states else None  # else each freed once read
-            for layer, extra in zip(self.layers, inputs, strict=True):
-                x = layer(x, shape, *extra, dtype, owned=states is None)
+            for layer, runs in zip(self.layers, inputs, strict=True):
+                x = layer(x, list(zip(layout.runs, runs, strict=True)), dtype,
+                          owned=states is None)
                 if states is not None:
                     states.append(x)
-            last = self.final(x[:tokens]).view(*shape, -1).float()
+            last = layout.batch(self.final(x[: layout.tokens])).float()
         if states is None:
             return FusedOutput(last)
-        every = [state[:tokens].view(*shape, -1).float() for state in states[:-1]]
+        every = [layout.batch(state).float() for state in states[:-1]]
         return FusedOutput(last, (*every, last))
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
@@ -328,20 +349,34 @@ class FusedEncoder(torch.nn.Module):
         """The batch's embeddings, [rows, width, hidden], in the residual stream's dtype."""
         raise NotImplementedError
 
-    def layer_inputs(self, mask: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
-        """Each layer's inputs besides the stream (its attention bias, ...), built once a
-        forward."""
+    def unpadded_below(self) -> int:
+        """Batches narrower than this many tokens run unpadded (module's ``unpadded_below``)
+        in the dtype ``pack`` fixed."""
+        return unpadded_below(self.dtype or torch.float32)
+
+    def layout(self, mask: torch.Tensor, dtype: torch.dtype) -> Layout:
+        """The batch's tokens unpadded (``token_layout``) where it is narrower than
+        ``unpadded_below``, else padded."""
+        if mask.shape[1] < unpadded_below(dtype):
+            return Layout.unpadded(mask)
+        return Layout.padded(mask)
+
+    def layer_inputs(self, mask: torch.Tensor, layout: Layout, dtype: torch.dtype
+                     ) -> list[list[tuple]]:
+        """Each layer's inputs for each run of ``layout`` (its attention bias, ...), built once
+        a forward."""
         raise NotImplementedError
 
     def final(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's output [tokens, hidden] as the model returns it (as it is here)."""
         return x
 
-    def flat(self, x: torch.Tensor) -> torch.Tensor:
-        """The batch's embeddings [rows, width, hidden] as [tokens, hidden], then zero rows up
-        to the products' shape where the forward is ``shaped``."""
-        tokens = x.shape[0] * x.shape[1]
-        x = x.view(tokens, -1)
+    def flat(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The batch's embeddings [rows, width, hidden] as the stream's [tokens, hidden]
+        (``layout``), then zero rows up to the products' shape where the forward is
+        ``shaped``."""
+        x = layout.flat(x)
+        tokens = len(x)
         rows = product_rows(tokens) if self.shaped else tokens
         return F.pad(x, (0, 0, 0, rows - tokens)) if rows > tokens else x
 
@@ -387,9 +422,11 @@ class FusedBert(FusedEncoder):
               dtype: torch.dtype) -> torch.Tensor:
         return self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype))
 
-    def layer_inputs(self, mask: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
-        """Every layer's attention bias, the same one (``_attention_bias``)."""
-        return [(self._attention_bias(mask, dtype),)] * len(self.layers)
+    def layer_inputs(self, mask: torch.Tensor, layout: Layout, dtype: torch.dtype
+                     ) -> list[list[tuple]]:
+        """Every layer's attention bias for each run, the same ones (``_attention_bias``)."""
+        masks = layout.masks() or [mask]
+        return [[(self._attention_bias(m, dtype),) for m in masks]] * len(self.layers)
 
     def _attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """What every layer adds to its attention scores: the padding mask
@@ -489,6 +526,15 @@ def attention_kernel(width: int, dtype: torch.dtype) -> Literal["sdpa", "graph",
     if graph_attention.runs(width):
         return "graph"
     return "sdpa" if dtype == torch.float32 else "blocked"
+
+
+def unpadded_below(dtype: torch.dtype) -> int:
+    """Batches narrower than this many tokens run unpadded (``FusedEncoder.layout``): all but
+    those whose attention takes oneDNN Graph's kernel, traced for each shape it meets (runs of
+    rows of every length would each take one)."""
+    if attention_kernel(graph_attention.MIN_KEYS, dtype) == "graph":
+        return graph_attention.MIN_KEYS
+    return UNPADDED_ALWAYS
 
 
 def variant() -> str:

@@ -46,7 +46,7 @@ a pooler that reads attention weights, nor with rotary scaling other than the de
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +56,6 @@ from pipeline.fused_bert import (
     GELU,
     FusedEncoder,
     ProductLayer,
-    attend,
     attention_bias,
     frozen,
     key_width,
@@ -67,6 +66,7 @@ from pipeline.fused_bert import (
     query_width,
     under,
 )
+from pipeline.token_layout import Layout, Run
 
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
@@ -174,24 +174,25 @@ class ModernLayer(ProductLayer):
         self.up, self.gate = _halves(linear_from(state, "mlp.Wi"))
         self.down = linear_from(state, "mlp.Wo")
 
-    def forward(self, x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
-                rotary: torch.Tensor, dtype: torch.dtype, owned: bool = False) -> torch.Tensor:
-        """The layer over ``x``: [tokens, hidden], the batch's ``shape`` (rows, width) flat,
-        then zero rows up to its product rows, written in place where ``owned`` (no caller
-        keeps it); ``rotary``: this layer's ``Rotary.table``."""
-        rows, width = shape
+    def forward(self, x: torch.Tensor, runs: Sequence[tuple[Run, tuple]], dtype: torch.dtype,
+                owned: bool = False) -> torch.Tensor:
+        """The layer over ``x``: [tokens, hidden], the batch's ``runs`` of rows with each one's
+        attention bias and rotary table (``Rotary.table``, this layer type's), then zero rows
+        up to its product rows, written in place where ``owned`` (no caller keeps it)."""
         normed = x if self.attn_norm is None else self.attn_norm(x)
-        qkv = self._linear(normed, self.qkv, dtype)
-        heads = qkv[: rows * width].view(rows, width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        (q, k), v = Rotary.rotate(heads[:2], rotary), heads[2]
-        context = qkv.new_empty((len(x), qkv.shape[1] // 3))
-        context[rows * width:] = 0
-        attend(q, k, v, bias, out=context[: rows * width].view(rows, width, -1))
+        context = self._attend(self._linear(normed, self.qkv, dtype), runs)
         x = self._linear(context, self.out_proj, dtype, residual=x, owned=owned)
         normed = self.mlp_norm(x).to(dtype)  # cast once for both halves
         inner = self._linear(normed, self.up, dtype, activation=True)
         inner = self._linear(normed, self.gate, dtype, times=inner)
         return self._linear(inner, self.down, dtype, residual=x, owned=True)
+
+    def positioned(self, heads: torch.Tensor, *positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query and key rotated together by the rotary ``table`` of their width."""
+        (table,) = positions
+        q, k = Rotary.rotate(heads[:2], table[: heads.shape[3]])
+        return q, k, heads[2]
 
 
 class FusedModernBert(FusedEncoder):
@@ -224,12 +225,13 @@ class FusedModernBert(FusedEncoder):
               dtype: torch.dtype) -> torch.Tensor:
         return self.embedding_norm(self.tok_embeddings(input_ids))  # the fp32 stream
 
-    def layer_inputs(self, mask: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
-        """Each layer's attention bias and rotary table, by its layer type, each built once a
-        forward."""
-        biases = self._attention_biases(mask, dtype)
+    def layer_inputs(self, mask: torch.Tensor, layout: Layout, dtype: torch.dtype
+                     ) -> list[list[tuple]]:
+        """Each layer's attention bias and rotary table for each run, by its layer type, each
+        built once a forward."""
+        biases = [self._attention_biases(m, dtype) for m in layout.masks() or [mask]]
         tables = {kind: rotary.table(mask.shape[1]) for kind, rotary in self.rotary.items()}
-        return [(biases[kind], tables[kind]) for kind in self.kinds]
+        return [[(run[kind], tables[kind]) for run in biases] for kind in self.kinds]
 
     def final(self, x: torch.Tensor) -> torch.Tensor:
         return self.final_norm(x)

@@ -29,7 +29,7 @@ from pipeline.embedder import Embedder
 from pipeline.fused_bert import FusedBert, attend, fusable
 from pipeline.models import recorded
 from pipeline.models.recorded import RecordedConfig
-from pipeline.onednn import PackedLinear, packs
+from pipeline.onednn import PackedLinear, packs, product_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch has no oneDNN")
@@ -237,8 +237,11 @@ def test_packed_products_take_a_few_row_counts_and_give_the_batchs_own_states(
         return forward(self, x, other, binary)
 
     monkeypatch.setattr(PackedLinear, "forward", spy)
+    want_rows = []
     for rows, width in [(5, 23), (8, 40), (1, 3)]:
         ids, mask = batch(rows, width)
+        tokens = int(mask.sum())  # the real tokens alone (``token_layout``)
+        want_rows += [product_rows(tokens)] * 12 + [tokens] * 12
         with torch.inference_mode():
             got = fused(ids, mask, output_hidden_states=True).hidden_states
             fused.shaped = False
@@ -247,8 +250,8 @@ def test_packed_products_take_a_few_row_counts_and_give_the_batchs_own_states(
         assert all(state.shape == (rows, width, 48) for state in got)
         for ours, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
-    shaped = [128] * 12 + [115] * 12 + [512] * 12 + [320] * 12 + [16] * 12 + [3] * 12
-    assert seen == shaped  # 4 products x 3 layers a forward
+    assert seen == want_rows  # 4 products x 3 layers a forward
+    assert want_rows[::12] == [128, 96, 256, 162, 16, 3]  # padded: 115, 320 tokens
 
 
 @pytest.mark.parametrize("width", [5, 19, 70])  # keys appended (MIN_KEYS); fp32/bf16 softmax
@@ -298,24 +301,31 @@ def test_each_kernel_takes_the_widths_and_dtypes_it_was_measured_fastest_at(
 def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever this CPU: SDPA's bf16 attention (what an AMX CPU runs) gives transformers'
-    states within bf16's rounding, in every layer, and rows too narrow for it stay blocked."""
+    states within bf16's rounding, in every layer, and rows too narrow for it stay blocked:
+    each run of rows of one length (``token_layout``) takes the kernel of its own width."""
     monkeypatch.setattr(fused_bert, "amx_here", lambda: True)
     model = tiny(max_position_embeddings=200)
     calls: list[int] = []
     sdpa = F.scaled_dot_product_attention
+    wide: list[int] = []
     with torch.inference_mode():
         fused = FusedBert.from_model(model, onednn_fp32=True)
         fused.pack(torch.bfloat16)
         for width in (fused_bert.AMX_SDPA_MIN_KEYS - 1, 150):
             ids, mask = batch(rows=6, width=width)
+            mask[-1, 10:] = 0  # a narrow row beside wide ones
+            ids = ids.masked_fill(mask == 0, 0)
             want = model(input_ids=ids, attention_mask=mask).last_hidden_state
             with monkeypatch.context() as patched:
                 patched.setattr(F, "scaled_dot_product_attention",
-                                lambda *a, w=width, **kw: calls.append(w) or sdpa(*a, **kw))
+                                lambda q, *a, **kw: calls.append(q.shape[2]) or sdpa(q, *a, **kw))
                 got = fused(ids, mask).last_hidden_state
             cosine = F.cosine_similarity(real(got, mask), real(want, mask), dim=-1)
             assert cosine.min() > 0.999, width
-    assert calls == [150] * 3
+            lengths = sorted(set(mask.sum(1).tolist()), reverse=True)
+            wide += [n for n in lengths if n >= fused_bert.AMX_SDPA_MIN_KEYS]
+    assert 150 in wide and 10 not in wide
+    assert calls == wide * 3  # 3 layers
 
 
 @pytest.mark.parametrize("amx", [True, False])

@@ -121,6 +121,37 @@ def test_shaped_batches_fill_their_product_rows(
             token_budget_batches(arr, budget, max_rows, min_fill), strict=True))
 
 
+@given(
+    st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=80),
+    st.integers(1, 4096), st.integers(1, 64), st.sampled_from([0, 100, 1 << 30]),
+    st.booleans(),
+)
+def test_batches_of_real_tokens_alone_count_those(
+    lengths: list[int], budget: int, max_rows: int, unpadded_below: int, shaped: bool
+) -> None:
+    """A batch whose longest row is under ``unpadded_below`` holds at most ``budget`` real
+    tokens (or one row) and ``max_rows`` rows, then with a shape the rows whose tokens fit the
+    product rows its cut takes anyway, within the budget; a wider one is planned padded, as
+    before; every row once, longest first."""
+    arr = np.array(lengths, dtype=np.int64)
+    shape = product_rows if shaped else None
+    batches = token_budget_batches(arr, budget, max_rows, shape=shape,
+                                   unpadded_below=unpadded_below)
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    assert np.all(np.diff(arr[flat]) <= 0)
+    for batch in batches:
+        tokens, longest = int(arr[batch].sum()), int(arr[batch].max())
+        if longest >= unpadded_below:
+            assert len(batch) == 1 or len(batch) * longest <= budget
+            continue
+        assert len(batch) == 1 or tokens <= budget
+        cut = np.cumsum(arr[batch])[: max_rows]
+        cut = cut[cut <= budget]
+        computed = product_rows(int(cut[-1])) if shaped and len(cut) else 0
+        assert len(batch) <= max(max_rows, 1) or tokens <= computed
+
+
 def test_sorting_by_length_wastes_little_padding() -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(5, 250, size=5000)
