@@ -9,7 +9,11 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
 
 * one [hidden, 3 x hidden] product for query, key and value (the 1/sqrt(head) scale folded into
   the query weights once), one cast of an fp32 residual stream per product;
-* the batch's tokens flat, then zero rows up to ``pipeline.onednn.product_rows`` of them once
+* the batch's real tokens alone, flat (``pipeline.token_layout``: rows by length, attention
+  once a run of rows of one length, over exactly its keys), so that no product or attention
+  computes padding and a text's vector does not depend on its batch-mates (but padded where
+  oneDNN Graph's attention kernel runs, ``unpadded_below``);
+* the tokens flat, then zero rows up to ``pipeline.onednn.product_rows`` of them once
   the products run through oneDNN (``FusedBert.shaped``: packed, or int8 once calibrated), so
   that oneDNN compiles a few kernels a run, not four a batch (3,000 PyPI summaries, MiniLM
   bf16 on a 2-core AMX Xeon VM: 1.44-1.59 s -> 1.12-1.18 s; the planner fills those rows with

@@ -13,8 +13,12 @@ text's vector depends on its text alone, not on its batch-mates: with a scale ta
 batch (ONNX Runtime's ``DynamicQuantizeLinear``, this module's first scheme) the same 2,000
 PyPI summaries encoded again in another order moved by cosine 0.9765 at worst (MiniLM); with
 the fixed scales they came back identical, at the same cosine to fp32 (mean 0.9960 per
-batch, 0.9962 fixed; min 0.9782 / 0.9777) and recall@10 (0.532 / 0.5315; fp32 0.5325). Inputs
-outside the calibrated range are clipped to it.
+batch, 0.9962 fixed; min 0.9782 / 0.9777) and recall@10 (0.532 / 0.5315; fp32 0.5325). That
+held on an AVX512-BF16 EPYC VM; where AMX runs, a text's padding still moved it (min cosine
+0.9952): attention over more keys rounds its bf16 output differently, and a fixed scale turns a
+last-bit change into a step of the uint8 grid now and then. Since the fused forward computes a
+batch's real tokens alone (``pipeline.token_layout``) they come back identical there too (1.0).
+Inputs outside the calibrated range are clipped to it.
 
 Every Linear of a layer runs here (``FusedLayer.to_int8``): query/key/value, the attention
 output, and the feed-forward block, whose first product writes uint8 for its second to read

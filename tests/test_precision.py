@@ -124,7 +124,8 @@ def test_a_checkpoint_saved_in_fp16_runs_fp32_where_the_run_says_fp32(
     with torch.inference_mode():
         want = by_hand(input_ids=ids, attention_mask=mask.long(),
                        token_type_ids=torch.zeros_like(ids)).last_hidden_state
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    real = mask.bool()  # the states of padding are the forward's own (the fused one: zeros)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_profile()["bf16_ok"], reason="this CPU cannot run bf16")
