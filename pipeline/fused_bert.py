@@ -429,8 +429,8 @@ class FusedBert(FusedEncoder):
     def layer_inputs(self, mask: torch.Tensor, layout: Layout, dtype: torch.dtype
                      ) -> list[list[tuple]]:
         """Every layer's attention bias for each run, the same ones (``_attention_bias``)."""
-        masks = layout.masks() or [mask]
-        return [[(self._attention_bias(m, dtype),) for m in masks]] * len(self.layers)
+        biases = [(self._attention_bias(m, dtype),) for m in layout.masks(mask)]
+        return [biases] * len(self.layers)
 
     def _attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """What every layer adds to its attention scores: the padding mask

@@ -229,7 +229,7 @@ class FusedModernBert(FusedEncoder):
                      ) -> list[list[tuple]]:
         """Each layer's attention bias and rotary table for each run, by its layer type, each
         built once a forward."""
-        biases = [self._attention_biases(m, dtype) for m in layout.masks() or [mask]]
+        biases = [self._attention_biases(m, dtype) for m in layout.masks(mask)]
         tables = {kind: rotary.table(mask.shape[1]) for kind, rotary in self.rotary.items()}
         return [[(run[kind], tables[kind]) for run in biases] for kind in self.kinds]
 

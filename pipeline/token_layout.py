@@ -69,11 +69,11 @@ class Layout:
         """Rows of the stream that hold the batch's tokens (zero rows may follow)."""
         return self.runs[-1].span.stop if self.runs else 0
 
-    def masks(self) -> list[torch.Tensor] | None:
-        """Each run's own attention mask where unpadded (all ones: every key real); None where
-        padded (the batch's mask serves)."""
+    def masks(self, mask: torch.Tensor) -> list[torch.Tensor]:
+        """Each run's attention mask: the batch's ``mask`` where padded (one run), all ones
+        where unpadded (every key of a run is real)."""
         if self.index is None:
-            return None
+            return [mask]
         return [torch.ones((run.rows, run.width), dtype=torch.long) for run in self.runs]
 
     def flat(self, x: torch.Tensor) -> torch.Tensor:

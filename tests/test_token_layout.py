@@ -22,6 +22,8 @@ def test_unpadded_runs_hold_each_real_token_once_rows_longest_first() -> None:
     assert layout.runs == (Run(0, 1, 4), Run(4, 2, 2), Run(8, 1, 1))
     assert layout.index.tolist() == [4, 5, 6, 7, 0, 1, 12, 13, 16]
     assert layout.tokens == 9 == int(mask.sum())
+    assert [(m.shape, bool(m.all())) for m in layout.masks(mask)] == [
+        ((1, 4), True), ((2, 2), True), ((1, 1), True)]
     x = torch.arange(20.0).view(5, 4, 1)
     flat = layout.flat(x)
     assert flat.view(-1).tolist() == layout.index.float().tolist()
@@ -32,7 +34,9 @@ def test_unpadded_runs_hold_each_real_token_once_rows_longest_first() -> None:
 def test_padded_layout_is_the_batch_as_it_is() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     layout = Layout.padded(mask)
-    assert layout.runs == (Run(0, 2, 3),) and layout.tokens == 6 and layout.masks() is None
+    assert layout.runs == (Run(0, 2, 3),) and layout.tokens == 6
+    (only,) = layout.masks(mask)
+    assert only is mask
     x = torch.randn(2, 3, 4)
     assert torch.equal(layout.batch(layout.flat(x)), x)
 
