@@ -165,7 +165,8 @@ class ProductLayer(torch.nn.Module):
     def _attend(self, qkv: torch.Tensor, runs: Sequence[tuple[Run, tuple]]) -> torch.Tensor:
         """Attention's context [tokens, hidden] from the query/key/value product's [tokens,
         3 x hidden] (its rows past the runs' tokens: zeros), once a run of rows, each with its
-        inputs: its bias, then what ``positioned`` takes."""
+        inputs: its bias (one row's, which all its rows share, or each row's), then what
+        ``positioned`` takes."""
         context = qkv.new_empty((len(qkv), qkv.shape[1] // 3))
         end = 0
         for run, (bias, *positions) in runs:
@@ -173,6 +174,8 @@ class ProductLayer(torch.nn.Module):
             heads = qkv[span].view(run.rows, run.width, 3, self.heads, -1).permute(
                 2, 0, 3, 1, 4)
             q, k, v = self.positioned(heads, *positions)
+            if bias is not None:
+                bias = bias.expand(run.rows, *bias.shape[1:])
             attend(q, k, v, bias, out=context[span].view(run.rows, run.width, -1))
         context[end:] = 0
         return context

@@ -16,7 +16,8 @@ forward on summaries, 1.62x on texts of 374 tokens (one run; bench/RESULTS.md).
 
 ``FusedModernBert`` runs the same arithmetic as ``pipeline.fused_bert.FusedBert`` runs BERT's
 (``FusedEncoder``, ``ProductLayer``: packed products, their bias, GELU or residual add in
-oneDNN's epilogue, the batch's tokens flat over ``product_rows`` rows; ``attend``'s kernels),
+oneDNN's epilogue, the batch's real tokens flat (``pipeline.token_layout``) over
+``product_rows`` rows; ``attend``'s kernels),
 plus:
 
 * the 1/sqrt(head) scale folded into the query rows of ``Wqkv`` once (the rotation is linear);
@@ -27,9 +28,10 @@ plus:
 * the gate's two halves as two products over one cast of their input: GELU in the first
   one's epilogue, which the second one's epilogue multiplies into its output where oneDNN
   runs it (else in place after it);
-* a sliding layer's band of keys and the padding in one bias per forward ([rows, 1, queries,
-  keys], masked entries the dtype's most negative value: a padding query with no key in its
-  band gets a uniform softmax, not NaNs);
+* a sliding layer's band of keys (and the padding, where the batch runs padded) in one bias
+  per forward for each run of rows ([1, 1, queries, keys] for a run of real tokens alone, which
+  its rows share; [rows, 1, queries, keys] padded; masked entries the dtype's most negative
+  value: a padding query with no key in its band gets a uniform softmax, not NaNs);
 * the residual stream in fp32 even where AMX runs (BERT's is bf16 there,
   ``FusedBert.residual_dtype``): a pre-norm stream adds every layer's output to itself
   unnormalised, and in bf16 a random ModernBERT-base's vectors of 50 long texts fell to cosine

@@ -58,14 +58,14 @@ linear_pointwise = torch.ops.mkldnn._linear_pointwise
 try:  # fp32 through oneDNN's inner product (pipeline.onednn), where this torch has it: over a
     # plain weight (a model's own Linear), and as the fused forward's up product runs it
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    for kernel in (lambda: linear_pointwise(a, w, None, "none", [], ""),
-                   lambda: linear_pointwise(a, packed, bias, "gelu", [], "none")):
-        kernel()
+    plain = lambda: linear_pointwise(a, w, None, "none", [], "")
+    epilogue = lambda: linear_pointwise(a, packed, bias, "gelu", [], "none")
+    plain(), epilogue()  # raise here where this torch lacks them
     kernels |= {
-        "fp32_onednn_gflops": lambda: linear_pointwise(a, w, None, "none", [], ""),
+        "fp32_onednn_gflops": plain,
         "fp32_gelu_gflops": lambda: torch.nn.functional.gelu(
             torch.nn.functional.linear(a, w, bias)),
-        "fp32_onednn_gelu_gflops": lambda: linear_pointwise(a, packed, bias, "gelu", [], "none"),
+        "fp32_onednn_gelu_gflops": epilogue,
         "fp32_onednn_gelu_apart_gflops": lambda: torch.ops.aten.gelu_(
             linear_pointwise(a, packed, bias, "none", [], "")),
     }

@@ -70,11 +70,12 @@ class Layout:
         return self.runs[-1].span.stop if self.runs else 0
 
     def masks(self, mask: torch.Tensor) -> list[torch.Tensor]:
-        """Each run's attention mask: the batch's ``mask`` where padded (one run), all ones
-        where unpadded (every key of a run is real)."""
+        """Each run's attention mask: the batch's ``mask`` where padded (one run); where
+        unpadded, one row of ones a run (every key real, every row alike: what is built from
+        it, once, serves all the run's rows, ``ProductLayer._attend``)."""
         if self.index is None:
             return [mask]
-        return [torch.ones((run.rows, run.width), dtype=torch.long) for run in self.runs]
+        return [torch.ones((1, run.width), dtype=torch.long) for run in self.runs]
 
     def flat(self, x: torch.Tensor) -> torch.Tensor:
         """The padded batch's [rows, width, hidden] as the stream's [tokens, hidden]."""
