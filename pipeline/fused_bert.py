@@ -120,20 +120,25 @@ class Embeddings(torch.nn.Module):
         self.project = linear_from(state, bert_family.EMBEDDINGS_PROJECT) if project else None
         self.padding_idx = bert_family.position_padding(config)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None
-                ) -> torch.Tensor:
-        if self.padding_idx is None:
-            positions = torch.arange(input_ids.shape[1])[None, :]
-        else:
-            real = input_ids.ne(self.padding_idx).int()
-            positions = (torch.cumsum(real, dim=1).type_as(real) * real).long() + self.padding_idx
-        x = self.word_embeddings(input_ids)
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+                layout: Layout) -> torch.Tensor:
+        """The embeddings of the batch's tokens ([rows, width] ids) that ``layout`` puts in
+        the stream, [tokens, hidden]: only those are looked up and normalized."""
+        positions = self.positions(input_ids)
+        x = self.word_embeddings(layout.flat(input_ids))
         if self.token_type_embeddings is not None:
-            if token_type_ids is None:
-                token_type_ids = torch.zeros_like(input_ids)
-            x = x + self.token_type_embeddings(token_type_ids)
-        x = self.norm(x + self.position_embeddings(positions))
+            types = (layout.flat(token_type_ids) if token_type_ids is not None
+                     else torch.zeros(len(x), dtype=torch.long))
+            x = x + self.token_type_embeddings(types)
+        x = self.norm(x + self.position_embeddings(layout.flat(positions)))
         return x if self.project is None else self.project(x)
+
+    def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's position in its row ([rows, width]), as the model counts them."""
+        if self.padding_idx is None:
+            return torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        real = input_ids.ne(self.padding_idx).int()
+        return (torch.cumsum(real, dim=1).type_as(real) * real).long() + self.padding_idx
 
 
 class ProductLayer(torch.nn.Module):
@@ -337,7 +342,7 @@ class FusedEncoder(torch.nn.Module):
         dtype = self.forward_dtype()
         layout = self.layout(attention_mask, dtype)
         with torch.autocast("cpu", enabled=False):
-            x = self.flat(self.embed(input_ids, token_type_ids, dtype), layout)
+            x = self.stream(self.embed(input_ids, token_type_ids, layout), dtype)
             inputs = self.layer_inputs(attention_mask, layout, dtype)
             states = [x] if output_hidden_states else None  # else each freed once read
             for layer, runs in zip(self.layers, inputs, strict=True):
@@ -345,16 +350,21 @@ class FusedEncoder(torch.nn.Module):
                           owned=states is None)
                 if states is not None:
                     states.append(x)
-            last = layout.batch(self.final(x[: layout.tokens])).float()
+            last = layout.batch(self.final(x[: layout.tokens]))
         if states is None:
             return FusedOutput(last)
-        every = [layout.batch(state).float() for state in states[:-1]]
+        every = [layout.batch(state) for state in states[:-1]]
         return FusedOutput(last, (*every, last))
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
-              dtype: torch.dtype) -> torch.Tensor:
-        """The batch's embeddings, [rows, width, hidden], in the residual stream's dtype."""
+              layout: Layout) -> torch.Tensor:
+        """The embeddings of the tokens ``layout`` puts in the stream (the batch's ids are
+        [rows, width]), [tokens, hidden] in fp32."""
         raise NotImplementedError
+
+    def residual_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The residual stream's dtype in a forward whose products run in ``dtype``."""
+        return torch.float32
 
     def unpadded_below(self) -> int:
         """Batches narrower than this many tokens run unpadded (module's ``unpadded_below``)
@@ -378,14 +388,17 @@ class FusedEncoder(torch.nn.Module):
         """The last layer's output [tokens, hidden] as the model returns it (as it is here)."""
         return x
 
-    def flat(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """The batch's embeddings [rows, width, hidden] as the stream's [tokens, hidden]
-        (``layout``), then zero rows up to the products' shape where the forward is
-        ``shaped``."""
-        x = layout.flat(x)
-        tokens = len(x)
+    def stream(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The embeddings [tokens, hidden] as the residual stream (``residual_dtype``), then
+        zero rows up to the products' shape where the forward is ``shaped``: one pass."""
+        tokens, residual = len(x), self.residual_dtype(dtype)
         rows = product_rows(tokens) if self.shaped else tokens
-        return F.pad(x, (0, 0, 0, rows - tokens)) if rows > tokens else x
+        if rows == tokens:
+            return x.to(residual)
+        out = x.new_empty((rows, x.shape[1]), dtype=residual)
+        out[tokens:] = 0
+        out[:tokens] = x
+        return out
 
 
 class FusedBert(FusedEncoder):
@@ -426,8 +439,8 @@ class FusedBert(FusedEncoder):
         self.shaped = True  # after the calibration, which the zero rows would widen
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
-              dtype: torch.dtype) -> torch.Tensor:
-        return self.embeddings(input_ids, token_type_ids).to(self.residual_dtype(dtype))
+              layout: Layout) -> torch.Tensor:
+        return self.embeddings(input_ids, token_type_ids, layout)
 
     def layer_inputs(self, mask: torch.Tensor, layout: Layout, dtype: torch.dtype
                      ) -> list[list[tuple]]:

@@ -224,8 +224,8 @@ class FusedModernBert(FusedEncoder):
         return weight_shapes(config), CHECKPOINT_PREFIX
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
-              dtype: torch.dtype) -> torch.Tensor:
-        return self.embedding_norm(self.tok_embeddings(input_ids))  # the fp32 stream
+              layout: Layout) -> torch.Tensor:
+        return self.embedding_norm(self.tok_embeddings(layout.flat(input_ids)))
 
     def layer_inputs(self, mask: torch.Tensor, layout: Layout, dtype: torch.dtype
                      ) -> list[list[tuple]]:

@@ -78,15 +78,16 @@ class Layout:
         return [torch.ones((1, run.width), dtype=torch.long) for run in self.runs]
 
     def flat(self, x: torch.Tensor) -> torch.Tensor:
-        """The padded batch's [rows, width, hidden] as the stream's [tokens, hidden]."""
-        x = x.reshape(-1, x.shape[-1])
+        """The padded batch's [rows, width, ...] (its ids, or states) as the stream's
+        [tokens, ...]."""
+        x = x.reshape(-1, *x.shape[2:])
         return x if self.index is None else x[self.index]
 
-    def batch(self, x: torch.Tensor) -> torch.Tensor:
-        """The stream's first ``tokens`` rows as the padded batch's [rows, width, hidden]
-        (zeros at the padding where unpadded)."""
+    def batch(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The stream's first ``tokens`` rows as the padded batch's [rows, width, hidden] in
+        ``dtype`` (zeros at the padding where unpadded; cast before it is padded)."""
         rows, width = self.shape
-        x = x[: self.tokens]
+        x = x[: self.tokens].to(dtype)
         if self.index is None:
             return x.view(rows, width, -1)
         out = x.new_zeros((rows * width, x.shape[-1]))

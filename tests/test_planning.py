@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.batching import padding_efficiency, token_budget_batches
+from pipeline.batching import UNPADDED_PADDED_BUDGETS, padding_efficiency, token_budget_batches
 from pipeline.onednn import product_rows
 from pipeline.token_rows import TokenRows, pad_rows
 from pipeline.windows import truncate, window_starts, windows
@@ -131,8 +131,9 @@ def test_batches_of_real_tokens_alone_count_those(
 ) -> None:
     """A batch whose longest row is under ``unpadded_below`` holds at most ``budget`` real
     tokens (or one row) and ``max_rows`` rows, then with a shape the rows whose tokens fit the
-    product rows its cut takes anyway, within the budget; a wider one is planned padded, as
-    before; every row once, longest first."""
+    product rows its cut takes anyway, within the budget, and its padded tokens (its states
+    come back padded) within ``UNPADDED_PADDED_BUDGETS`` budgets; a wider one is planned
+    padded, as before; every row once, longest first."""
     arr = np.array(lengths, dtype=np.int64)
     shape = product_rows if shaped else None
     batches = token_budget_batches(arr, budget, max_rows, shape=shape,
@@ -146,6 +147,7 @@ def test_batches_of_real_tokens_alone_count_those(
             assert len(batch) == 1 or len(batch) * longest <= budget
             continue
         assert len(batch) == 1 or tokens <= budget
+        assert len(batch) == 1 or len(batch) * longest <= UNPADDED_PADDED_BUDGETS * budget
         cut = np.cumsum(arr[batch])[: max_rows]
         cut = cut[cut <= budget]
         computed = product_rows(int(cut[-1])) if shaped and len(cut) else 0

@@ -25,11 +25,15 @@ def test_unpadded_runs_hold_each_real_token_once_rows_longest_first() -> None:
     # one row of ones a run, which all its rows share
     assert [(tuple(m.shape), bool(m.all())) for m in layout.masks(mask)] == [
         ((1, 4), True), ((1, 2), True), ((1, 1), True)]
+    ids = torch.arange(20).view(5, 4)  # a batch's ids or states: its real tokens in order
+    assert layout.flat(ids).tolist() == layout.index.tolist()
     x = torch.arange(20.0).view(5, 4, 1)
     flat = layout.flat(x)
     assert flat.view(-1).tolist() == layout.index.float().tolist()
     back = layout.batch(torch.cat([flat, torch.full((7, 1), 99.0)]))  # zero rows after: not read
     assert torch.equal(back, x * mask[..., None])  # zeros at the padding
+    narrow = layout.batch(flat.bfloat16())  # a bf16 stream comes back as fp32 states
+    assert narrow.dtype == torch.float32 and torch.equal(narrow, back)
 
 
 def test_padded_layout_is_the_batch_as_it_is() -> None:
