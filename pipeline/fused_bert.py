@@ -62,7 +62,7 @@ from pipeline import bert_family, graph_attention, hardware
 from pipeline.int8_ffn import Int8FeedForward
 from pipeline.int8_linear import Int8Linear, calibrate
 from pipeline.onednn import Binary, PackedLinear, packs, product_rows
-from pipeline.token_layout import Layout, Run
+from pipeline.token_layout import Layout, PaddedStates, Run
 
 if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
@@ -94,7 +94,7 @@ class FusedOutput:
     """What the encoder reads of a transformers model's output."""
 
     last_hidden_state: torch.Tensor
-    hidden_states: tuple[torch.Tensor, ...] | None = None
+    hidden_states: Sequence[torch.Tensor] | None = None  # each layer's, padded when read
 
 
 class Embeddings(torch.nn.Module):
@@ -353,8 +353,7 @@ class FusedEncoder(torch.nn.Module):
             last = layout.batch(self.final(x[: layout.tokens]))
         if states is None:
             return FusedOutput(last)
-        every = [layout.batch(state) for state in states[:-1]]
-        return FusedOutput(last, (*every, last))
+        return FusedOutput(last, PaddedStates(layout, states[:-1], last))
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
               layout: Layout) -> torch.Tensor:

@@ -15,6 +15,7 @@ AMX Xeon VM; bf16 0.99998).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +94,24 @@ class Layout:
         out = x.new_zeros((rows * width, x.shape[-1]))
         out[self.index] = x
         return out.view(rows, width, -1)
+
+
+class PaddedStates(Sequence[torch.Tensor]):
+    """A forward's states of every layer as the padded batch's (``Layout.batch``), each padded
+    when read, the last one given as it is: what reads a few layers (a pooler's ``layers``)
+    pays for those alone. Read each once: a second read pads again."""
+
+    def __init__(self, layout: Layout, states: Sequence[torch.Tensor], last: torch.Tensor
+                 ) -> None:
+        self._layout, self._states, self._last = layout, states, last
+
+    def __len__(self) -> int:
+        return len(self._states) + 1
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"layer {i} of {len(self)} states")
+        i %= len(self)
+        return self._last if i == len(self._states) else self._layout.batch(self._states[i])

@@ -8,7 +8,7 @@ import torch
 
 from pipeline import fused_bert
 from pipeline.fused_bert import FusedBert
-from pipeline.token_layout import Layout, Run
+from pipeline.token_layout import Layout, PaddedStates, Run
 from tests.test_fused_bert import batch, tiny
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -34,6 +34,22 @@ def test_unpadded_runs_hold_each_real_token_once_rows_longest_first() -> None:
     assert torch.equal(back, x * mask[..., None])  # zeros at the padding
     narrow = layout.batch(flat.bfloat16())  # a bf16 stream comes back as fp32 states
     assert narrow.dtype == torch.float32 and torch.equal(narrow, back)
+
+
+def test_padded_states_pad_the_layer_read_and_index_like_a_tuple() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    layout = Layout.unpadded(mask)
+    streams = [torch.full((5, 1), float(i)) for i in range(3)]  # 5 tokens; then the last
+    last = torch.full((2, 3, 1), 9.0)
+    states = PaddedStates(layout, streams, last)
+    assert len(states) == 4 and states[-1] is last and states[3] is last
+    want = [layout.batch(s) for s in streams]
+    assert all(torch.equal(states[i], want[i]) for i in range(3))
+    assert torch.equal(states[-4], want[0]) and states[1].dtype == torch.float32
+    assert [float(t.sum()) for t in states[1:3]] == [5.0, 10.0]  # zeros at the padding
+    assert len(list(states)) == 4
+    with pytest.raises(IndexError):
+        states[4]
 
 
 def test_padded_layout_is_the_batch_as_it_is() -> None:
