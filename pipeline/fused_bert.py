@@ -10,9 +10,9 @@ matrix peak. ``FusedBert`` runs the same arithmetic as:
 * one [hidden, 3 x hidden] product for query, key and value (the 1/sqrt(head) scale folded into
   the query weights once), one cast of an fp32 residual stream per product;
 * the batch's real tokens alone, flat (``pipeline.token_layout``: rows by length, attention
-  once a run of rows of one length, over exactly its keys), so that no product or attention
-  computes padding and a text's vector does not depend on its batch-mates (but padded where
-  oneDNN Graph's attention kernel runs, ``unpadded_below``);
+  once a run of rows of one length, over exactly its keys), so that no embedding, product or
+  attention computes padding and a text's vector does not depend on its batch-mates (but
+  padded where oneDNN Graph's attention kernel runs, ``unpadded_below``);
 * the tokens flat, then zero rows up to ``pipeline.onednn.product_rows`` of them once
   the products run through oneDNN (``FusedBert.shaped``: packed, or int8 once calibrated), so
   that oneDNN compiles a few kernels a run, not four a batch (3,000 PyPI summaries, MiniLM
@@ -335,7 +335,8 @@ class FusedEncoder(torch.nn.Module):
         batch's tokens flat (``layout``) with its own inputs for each run of rows
         (``layer_inputs``), written in place where no state is kept, the last one through
         ``final``; the states as transformers gives them, fp32 (zeros at the padding where
-        the stream held the real tokens alone)."""
+        the stream held the real tokens alone), each layer's padded when read
+        (``PaddedStates``)."""
         if output_attentions:
             raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes no attention "
                              "weights; use the model's own")
