@@ -38,6 +38,8 @@ CAPPED_ISA = "AVX512_CORE_BF16"
 # GELU, oneDNN's with the GELU in its epilogue, and oneDNN's then ATen's GELU in place
 FP32_KERNEL_FIGURES = ("fp32_onednn_gflops", "fp32_gelu_gflops", "fp32_onednn_gelu_gflops",
                        "fp32_onednn_gelu_apart_gflops")
+PROFILE_FIGURES = ("fp32_gflops", "bf16_gflops", *FP32_KERNEL_FIGURES)  # GFLOP/s or None
+PROFILE_FLAGS = ("bf16_ok", "amx_traps")
 GELU_APART_MIN_GAIN = 1.05  # a GELU pass after the product must win by this (``fp32_gelu_apart``)
 # what caps oneDNN's, ATen's and MKL's CPU kernels below what the CPU has
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
@@ -138,17 +140,36 @@ def _measure() -> dict:
 @lru_cache(maxsize=1)
 def cpu_profile() -> dict:
     """{'fp32_gflops', 'bf16_gflops', the ``FP32_KERNEL_FIGURES``, 'bf16_ok', 'amx_traps'} for this
-    machine (cached)."""
+    machine (cached; measured again where the cache cannot serve, ``_read_profile``)."""
     cache = _cache_file()
-    if cache.exists():
-        try:
-            return json.loads(cache.read_text())
-        except json.JSONDecodeError:
-            pass
-    profile = _measure()
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(profile))
+    profile = _read_profile(cache) if cache.exists() else None
+    if profile is None:
+        profile = _measure()
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(profile))
+        os.replace(partial, cache)  # whole for a process that reads it meanwhile
     return profile
+
+
+def _read_profile(cache: Path) -> dict | None:
+    """The cached profile, or None where it cannot serve: unreadable, or without a figure or
+    flag this code reads (an older probe's, which would quietly take a missing figure as
+    "not measured": the capped up product's GELU stayed in its epilogue that way)."""
+    try:
+        profile = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(profile, dict):
+        return None
+    figures = all(_figure(profile.get(name, "")) for name in PROFILE_FIGURES)
+    flags = all(isinstance(profile.get(name), bool) for name in PROFILE_FLAGS)
+    return profile if figures and flags else None
+
+
+def _figure(value: object) -> bool:
+    """A probe's figure: a number, or None where it was not measured."""
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
 
 
 def prepare_cpu_kernels() -> None:

@@ -175,3 +175,34 @@ def test_kernels_capped_to_another_instruction_set_are_measured_apart(
         keys.add(cpu_key())
         assert cpu_key() in keys  # stable
     assert len(keys) == 1 + len(ISA_CAPS)
+
+
+def test_a_cached_probe_that_cannot_serve_is_measured_again(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older probe's file (without the figure a later probe added), damaged JSON or a wrong
+    type: the probe runs again and its file is replaced; a whole one is read as it is."""
+    from pipeline import hardware
+
+    fresh = {"fp32_gflops": 200.0, "bf16_gflops": 2.5, "fp32_onednn_gflops": 196.0,
+             "fp32_gelu_gflops": 126.0, "fp32_onednn_gelu_gflops": 153.0,
+             "fp32_onednn_gelu_apart_gflops": 171.0, "bf16_ok": True, "amx_traps": False}
+    measured = []
+    monkeypatch.setattr(hardware, "_measure", lambda: measured.append(1) or dict(fresh))
+    older = {k: v for k, v in fresh.items() if k != "fp32_onednn_gelu_apart_gflops"}
+    file = hardware._cache_file()
+    try:
+        for stale in (json.dumps(older), "{not json", json.dumps([1]),
+                      json.dumps({**fresh, "amx_traps": "no"}),
+                      json.dumps({**fresh, "fp32_gflops": "fast"})):
+            file.write_text(stale)
+            hardware.cpu_profile.cache_clear()
+            assert hardware.cpu_profile() == fresh
+            assert json.loads(file.read_text()) == fresh
+        assert len(measured) == 5
+        whole = {**fresh, "fp32_onednn_gelu_apart_gflops": None}  # not measured: a whole file
+        file.write_text(json.dumps(whole))
+        hardware.cpu_profile.cache_clear()
+        assert hardware.cpu_profile() == whole and len(measured) == 5
+        assert not list(cache.glob("*.partial"))
+    finally:
+        hardware.cpu_profile.cache_clear()  # the session's own profile again
