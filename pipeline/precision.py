@@ -49,6 +49,11 @@ class DtypeCheck:
     cosine: float  # lowest cosine between its vectors and fp32's over CALIBRATION_TEXTS
     speedup: float  # fp32 forward time / its forward time on a timing batch
 
+    def __post_init__(self) -> None:
+        for value in (self.cosine, self.speedup):  # what a cache file says, too
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"a dtype check's figures are numbers, not {value!r}")
+
     def wins(self) -> bool:
         return self.cosine >= MIN_COSINE and self.speedup >= MIN_SPEEDUP
 

@@ -68,11 +68,13 @@ def test_the_measurement_is_cached_per_key_and_remeasured_when_unreadable(cache:
     again = cached_check("k1", measure)
     assert first == again == DtypeCheck(cosine=0.99991, speedup=2.5)
     assert len(calls) == 1
-    (cache / "dtype-k1.json").write_text("{not json")
-    assert cached_check("k1", measure) == first
-    assert len(calls) == 2
+    for damaged in ("{not json", '{"cosine": "1.0", "speedup": 2.5}', '{"cosine": 0.9999}',
+                    '[0.9999, 2.5]'):
+        (cache / "dtype-k1.json").write_text(damaged)
+        assert cached_check("k1", measure) == first
+    assert len(calls) == 5
     cached_check("k2", measure)  # another model or machine: its own measurement
-    assert len(calls) == 3
+    assert len(calls) == 6
 
 
 def test_the_tiny_encoder_is_timed_and_its_choice_recorded(cache: Path,
