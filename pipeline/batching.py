@@ -59,7 +59,6 @@ def token_budget_batches(
         longest = int(ordered[start])
         if longest < unpadded_below:
             rows = _unpadded_rows(ordered[start:], token_budget, max_rows, shape)
-            rows = max(1, min(rows, UNPADDED_PADDED_BUDGETS * token_budget // longest))
             batches.append(order[start : start + rows])
             start += rows
             continue
@@ -80,13 +79,13 @@ def _unpadded_rows(lengths: np.ndarray, token_budget: int, max_rows: int,
                    shape: Callable[[int], int] | None) -> int:
     """Rows of ``lengths`` (longest first) for a batch of real tokens alone: within the
     budget and ``max_rows``, then with ``shape``, the rows whose tokens fit the tokens it
-    computes anyway."""
+    computes anyway; its padded tokens within ``UNPADDED_PADDED_BUDGETS`` budgets."""
     tokens = np.cumsum(lengths)
     rows = max(1, min(max_rows, int(np.searchsorted(tokens, token_budget, side="right"))))
     if shape is not None:
         fits = min(shape(int(tokens[rows - 1])), token_budget)
         rows = max(rows, int(np.searchsorted(tokens, fits, side="right")))
-    return rows
+    return max(1, min(rows, UNPADDED_PADDED_BUDGETS * token_budget // int(lengths[0])))
 
 
 def padding_efficiency(lengths: np.ndarray, batches: list[np.ndarray]) -> float:

@@ -30,7 +30,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.settings import cache_root
+from pipeline.settings import cache_root, write_cache
 
 CAPPED_ISA = "AVX512_CORE_BF16"
 # the probe's fp32 figures timed only where this torch has oneDNN's fp32 product (else None):
@@ -142,13 +142,10 @@ def cpu_profile() -> dict:
     """{'fp32_gflops', 'bf16_gflops', the ``FP32_KERNEL_FIGURES``, 'bf16_ok', 'amx_traps'} for this
     machine (cached; measured again where the cache cannot serve, ``_read_profile``)."""
     cache = _cache_file()
-    profile = _read_profile(cache) if cache.exists() else None
+    profile = _read_profile(cache)
     if profile is None:
         profile = _measure()
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(profile))
-        os.replace(partial, cache)  # whole for a process that reads it meanwhile
+        write_cache(cache, profile)
     return profile
 
 

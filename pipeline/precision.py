@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pipeline import storage
 from pipeline.errors import ConfigError
 from pipeline.hardware import cpu_bf16_is_faster, cpu_key, cpu_profile
-from pipeline.settings import cache_root
+from pipeline.settings import cache_root, write_cache
 
 MIN_COSINE = 0.9999
 MIN_SPEEDUP = 1.1  # a half dtype must be 10% faster on the model to be worth its rounding
@@ -92,7 +91,7 @@ def cached_check(key: str, measure: Callable[[], DtypeCheck]) -> DtypeCheck:
     except (OSError, ValueError, TypeError):  # absent or unreadable: measure again
         pass
     result = measure()
-    storage.write_json(str(path), asdict(result))  # atomic: parallel workers may measure too
+    write_cache(path, asdict(result))
     return result
 
 

@@ -11,6 +11,7 @@ level (``device = "cuda"``); an unknown key or a bad value fails with one line n
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,16 @@ def cache_root() -> Path:
     """Where embedpipe caches what it measured or computed (CPU probe, model hashes, remote
     indexes, the CLI's Prefect server record): ``EMBEDPIPE_CACHE``, else ~/.cache/embedpipe."""
     return Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
+
+
+def write_cache(path: Path, payload: object) -> None:
+    """``payload`` as JSON at ``path`` (under ``cache_root``), written then renamed: a reader
+    (a parallel worker) never sees half a file. A cache that cannot be written is only a
+    slower next start (measured or computed again), never an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(payload))
+        os.replace(partial, path)
+    except OSError:
+        return

@@ -208,3 +208,25 @@ def test_a_cached_probe_that_cannot_serve_is_measured_again(
         assert not list(cache.glob("*.partial"))
     finally:
         hardware.cpu_profile.cache_clear()  # the session's own profile again
+
+
+def test_a_cache_that_cannot_be_written_only_measures_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``EMBEDPIPE_CACHE`` a file, not a folder: each check is measured and used, nothing is
+    written, no error (``settings.write_cache``); a writable cache holds whole files only."""
+    from pipeline.settings import write_cache
+
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(blocked))
+    calls: list[int] = []
+
+    def measure() -> DtypeCheck:
+        calls.append(1)
+        return DtypeCheck(cosine=0.99991, speedup=2.5)
+
+    assert cached_check("k", measure) == cached_check("k", measure) == measure()
+    assert len(calls) == 3 and blocked.read_text() == ""
+    write_cache(tmp_path / "cache" / "x.json", {"a": [1, 2]})
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["x.json"]
+    assert json.loads((tmp_path / "cache" / "x.json").read_text()) == {"a": [1, 2]}

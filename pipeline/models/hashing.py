@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from pipeline.config import stable_hash
 from pipeline.models.prompts import CONFIG as PROMPTS_CONFIG
 from pipeline.models.transformer import CONFIG_NAMES
-from pipeline.settings import cache_root
+from pipeline.settings import cache_root, write_cache
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 ROOT_FILES = frozenset({
@@ -68,7 +67,7 @@ def model_hash(folder: Path, module_dirs: Iterable[Path] = ()) -> str:
             for chunk in iter(lambda fh=fh: fh.read(1 << 22), b""):
                 digest.update(chunk)
     value = digest.hexdigest()[:16]
-    _write_cached(cache, value)
+    write_cache(cache, {"model_hash": value})
     return value
 
 
@@ -78,18 +77,6 @@ def _read_cached(path: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, str) and _HASH.match(value) else None
-
-
-def _write_cached(path: Path, value: str) -> None:
-    """Write then rename: a reader never sees half a file. A cache that cannot be written is
-    only a slower next start, never an error."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"model_hash": value}))
-        os.replace(tmp, path)
-    except OSError:
-        return
 
 
 # where dtype int8 runs: oneDNN's int8 product in the fused forward (pipeline.int8_linear), or

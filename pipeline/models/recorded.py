@@ -23,10 +23,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from pipeline import storage
 from pipeline.config import stable_hash
 from pipeline.errors import ModelError
-from pipeline.settings import cache_root
+from pipeline.settings import cache_root, write_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -104,8 +103,8 @@ def load(files: ModelFiles, files_hash: str, trust_remote_code: bool
     facts = TokenizerFacts.of(loader.load_tokenizer(files, trust_remote_code),
                               files.transformer_dir)
     if path:
-        storage.write_json(str(path), {"schema": SCHEMA, "config": config_attributes(config),
-                                       "tokenizer": asdict(facts)})
+        write_cache(path, {"schema": SCHEMA, "config": config_attributes(config),
+                           "tokenizer": asdict(facts)})
     return config, facts
 
 
