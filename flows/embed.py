@@ -156,14 +156,8 @@ def _summary_artifact(summary) -> None:
     """The run's numbers as a table artifact in the Prefect UI."""
     from prefect.artifacts import create_table_artifact
 
-    row = {"sets": ", ".join(summary.sets), "rows": summary.rows, "embedded": summary.embedded,
-           "reused": summary.reused, "removed": summary.removed,
-           "skipped": sum(summary.skipped.values()),
-           **{f"skipped {k}": v for k, v in sorted(summary.skipped.items())},
-           "shards run": f"{summary.shards_run}/{summary.shards}",
-           "seconds": round(summary.seconds, 2), "docs/s": round(summary.docs_per_s, 1),
-           "setup seconds": round(summary.setup_seconds, 2)}
-    create_table_artifact(table=[row], key="embed-summary", description=summary.line())
+    create_table_artifact(table=[summary.table_row()], key="embed-summary",
+                          description=summary.line())
 
 
 @flow(name="embed")

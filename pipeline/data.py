@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.stats import ShardStats
+
 
 @dataclass(frozen=True)
 class TextBatch:
@@ -28,7 +30,7 @@ class EmbeddingBatch:
 
     ids: list
     vectors: dict[str, np.ndarray]
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: ShardStats = field(default_factory=ShardStats)  # tokens, pieces, padding
 
     def __post_init__(self) -> None:
         for name, matrix in self.vectors.items():

@@ -30,6 +30,7 @@ from pipeline.encoder import Encoder, EncoderInfo, Prompt
 from pipeline.errors import ConfigError
 from pipeline.poolers import Pooler, build_pooler
 from pipeline.stages import prefetch
+from pipeline.stats import ShardStats
 from pipeline.token_rows import TokenRows
 from pipeline.torch_thread import on_torch_thread
 from pipeline.vectors import unit_rows
@@ -122,14 +123,13 @@ class Embedder:
         rows = len(tokens.ids)
         lengths = tokens.ids.lengths - tokens.lead  # the text's own tokens, after the prompt's
         pieces = self.plan(tokens)
-        raw = on_torch_thread(self._forward_pieces, tokens, pieces)
+        stats = ShardStats(
+            tokens=int(pieces.lengths.sum()),
+            windows=len(pieces),
+            truncated=0 if self.cfg.window else int((lengths > pieces.lengths).sum()),
+        )
+        raw = on_torch_thread(self._forward_pieces, tokens, pieces, stats)
         vectors = {name: self._finish(name, raw[name], pieces, rows) for name in raw}
-        stats = {
-            "rows": rows,
-            "tokens": int(pieces.lengths.sum()),
-            "windows": len(pieces),
-            "truncated": 0 if self.cfg.window else int((lengths > pieces.lengths).sum()),
-        }
         return EmbeddingBatch(list(ids), vectors, stats)
 
     def encode(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
@@ -187,10 +187,17 @@ class Embedder:
                                               pieces.end[idx])
             yield idx, ids, mask
 
-    def _forward_pieces(self, tokens: Tokens, pieces: Pieces) -> dict[str, np.ndarray]:
+    def _forward_pieces(self, tokens: Tokens, pieces: Pieces, stats: ShardStats
+                        ) -> dict[str, np.ndarray]:
+        """Each pooler's vector of every piece; ``stats`` counts the token rows the layers
+        ran over and their padding."""
         out = {n: np.empty((len(pieces), p.width), np.float32) for n, p in self.poolers.items()}
         pooled: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
         for idx, ids, mask in self.padded_batches(tokens, pieces):
+            real = int(mask.sum())
+            padded = mask.shape[1] >= self.encoder.unpadded_below  # else its real tokens alone
+            stats.batch_tokens += mask.numel() if padded else real
+            stats.padding += mask.numel() - real if padded else 0
             states = self.encoder.forward(ids, mask, self.layers, self.attention,
                                           tokens.prompt_length)
             pooled.append((idx, {n: p(states).float() for n, p in self.poolers.items()}))

@@ -205,7 +205,7 @@ def _encode(model: _Model, piece: _Slice, encoded: _Encoded, stats: ShardStats) 
     tick = time.perf_counter()
     out = model.embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
     stats.add_seconds("encode", time.perf_counter() - tick)
-    stats.add_encoder(out.stats)
+    stats.add(out.stats)
     encoded.add(out.vectors)
 
 

@@ -78,7 +78,25 @@ class RunSummary(BaseModel):
             + (f" ({why})" if why else "")
             + (f"; {self.stats.duplicates:,} duplicate texts encoded once"
                if self.stats.duplicates else "")
+            + (f"; {self.stats.encoder_line()}" if self.stats.tokens else "")
+            + (f"; busy {self.stats.stage_line()}" if self.stats.seconds else "")
         )
+
+    def table_row(self) -> dict[str, str | int | float]:
+        """The run's numbers as one row of a table (the flow's Prefect artifact)."""
+        stats = self.stats
+        return {
+            "sets": ", ".join(self.sets), "rows": self.rows, "embedded": self.embedded,
+            "reused": self.reused, "removed": self.removed,
+            "skipped": sum(self.skipped.values()),
+            **{f"skipped {k}": v for k, v in sorted(self.skipped.items())},
+            "shards run": f"{self.shards_run}/{self.shards}",
+            "seconds": round(self.seconds, 2), "docs/s": round(self.docs_per_s, 1),
+            "setup seconds": round(self.setup_seconds, 2),
+            "duplicates": stats.duplicates, "tokens": stats.tokens,
+            "truncated": stats.truncated, "padding %": round(100 * stats.padding_share, 2),
+            **{f"{stage} seconds": round(s, 2) for stage, s in stats.seconds.items()},
+        }
 
 
 def job_keys(job: EmbedJob) -> dict[str, str]:
@@ -275,11 +293,12 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int) -> tuple[SetMeta
     removed = folder.removed_ids(g)
     deleted = _left_the_set(folder, removed, [m.shard for m in live])
     changed = bool(parts or removed)
+    held = ShardStats.total(ShardStats(rows=m.rows, skipped=m.skipped) for m in live)
     meta = folder.meta().model_copy(
         update={
             "shards_done": len(live),
-            "rows_written": sum(m.rows for m in live),
-            "rows_skipped": _add_counts([m.skipped for m in live]),
+            "rows_written": held.rows,
+            "rows_skipped": held.skipped,
             "generation": g if changed else g - 1,
         }
     )
@@ -311,11 +330,3 @@ def _left_the_set(folder: SetFolder, removed: list, live_shards: list[str]) -> l
         if not gone:
             break
     return list(gone)
-
-
-def _add_counts(counts: list[dict[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            total[k] = total.get(k, 0) + v
-    return total

@@ -154,7 +154,7 @@ class Searcher:
         """The set's own vectors for ``texts`` (as `embed` wrote them) and the tokens read."""
         with self.queries.lock:
             batch = self.embedder.embed(TextBatch(list(range(len(texts))), list(texts)))
-        return batch.vectors[self.set.pooler.get("name")], int(batch.stats["tokens"])
+        return batch.vectors[self.set.pooler.get("name")], batch.stats.tokens
 
     def encode(self, queries: list[str]) -> np.ndarray:
         return self.queries.encode(queries)

@@ -130,7 +130,7 @@ def test_truncation_is_counted(tiny_model_dir: Path, reference) -> None:
     long_text = "word " * 1000
     emb = Embedder(fp32(tiny_model_dir), [PoolerSpec(name="mean", normalize=False)])
     out = emb.embed(TextBatch(["long", "short"], [long_text, "short"]))
-    assert out.stats["truncated"] == 1
+    assert out.stats.truncated == 1
     hidden, _ = reference.states(long_text, max_length=128)
     np.testing.assert_allclose(out.vectors["mean"][0], hidden[-1].mean(0).numpy(), atol=1e-5)
 
@@ -146,7 +146,7 @@ def test_window_aggregation(tiny_model_dir: Path, reference, agg: str) -> None:
     emb = Embedder(fp32(tiny_model_dir, window=window), [PoolerSpec(name="m", strategy="mean",
                                                                      normalize=False)])
     out = emb.embed(TextBatch([7, 8], [text, "tiny"]))
-    assert out.stats["windows"] > 2 and out.stats["truncated"] == 0
+    assert out.stats.windows > 2 and out.stats.truncated == 0
     starts = list(range(0, len(content) - (size - 2), stride)) + [len(content) - (size - 2)]
     vecs, counts = [], []
     for s in starts:

@@ -62,17 +62,48 @@ def test_prefetch_stops_the_producer_when_the_consumer_stops() -> None:
 
 def test_stats_total_adds_every_count_and_stage() -> None:
     a = ShardStats(rows=3, embedded=2, encoded=1, duplicates=1, reused=1, tokens=10,
-                   windows=1, truncated=0, skipped={"null_text": 1},
+                   windows=1, truncated=0, batch_tokens=16, padding=2, skipped={"null_text": 1},
                    seconds={"read": 1.0, "encode": 2.0})
     b = ShardStats(rows=5, embedded=5, encoded=5, tokens=20, windows=6, truncated=1,
-                   skipped={"null_text": 2, "empty_text": 1}, seconds={"encode": 0.5})
+                   batch_tokens=24, padding=0, skipped={"null_text": 2, "empty_text": 1},
+                   seconds={"encode": 0.5})
     total = ShardStats.total([a, b])
     assert (total.rows, total.embedded, total.encoded, total.duplicates, total.reused) == (
         8, 7, 6, 1, 1)
     assert (total.tokens, total.windows, total.truncated) == (30, 7, 1)
+    assert (total.batch_tokens, total.padding, total.padding_share) == (40, 2, 0.05)
     assert total.skipped == {"null_text": 3, "empty_text": 1}
     assert total.seconds == {"read": 1.0, "encode": 2.5}
     assert total.stage_line() == "read 1.0s, encode 2.5s"
+    assert total.encoder_line() == "30 tokens (1 texts truncated), padding 5.0%"
+    assert ShardStats().padding_share == 0.0
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_embedder_counts_the_token_rows_its_layers_ran_and_their_padding(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, padded: bool) -> None:
+    """Two texts of near lengths (one batch): padded, the shorter one's padding counts; where
+    the fused forward runs the batch unpadded, its real tokens alone."""
+    from transformers import AutoTokenizer
+
+    from pipeline import fused_bert
+    from pipeline.config import EncoderConfig, PoolerSpec
+    from pipeline.data import TextBatch
+    from pipeline.embedder import Embedder
+
+    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 0 if padded else 1 << 30)
+    embedder = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu"),
+                        [PoolerSpec(name="mean")])
+    assert embedder.encoder.fused
+    texts = ["alpha beta gamma delta epsilon", "alpha beta gamma delta epsilon zeta"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sizes = [len(tokenizer(t)["input_ids"]) for t in texts]  # with [CLS] and [SEP]
+    stats = embedder.embed(TextBatch([0, 1], texts)).stats
+    assert stats.tokens == sum(sizes) - 2 * 2  # content tokens: [CLS] and [SEP] left out
+    width = max(sizes)
+    assert width > min(sizes)
+    assert (stats.batch_tokens, stats.padding) == (
+        (2 * width, width - min(sizes)) if padded else (sum(sizes), 0))
 
 
 def test_stats_refuse_a_stage_they_do_not_know() -> None:
@@ -94,6 +125,11 @@ def test_identical_texts_share_one_forward_pass(tmp_path: Path, tiny_model_dir: 
     assert summary.stats.duplicates == n - 1 - 7
     assert summary.skipped == {"null_text": 1}
     assert "duplicate texts encoded once" in summary.line()
+    assert f"; {summary.stats.tokens:,} tokens, padding " in summary.line()
+    assert "; busy read " in summary.line() and ", write " in summary.line()
+    row = summary.table_row()
+    assert (row["duplicates"], row["tokens"]) == (n - 1 - 7, summary.stats.tokens)
+    assert set(row) >= {"read seconds", "tokenize seconds", "encode seconds", "write seconds"}
     timed = summary.model_copy(update={"seconds": 2.0, "setup_seconds": 3.0}).line()
     assert "shards run in 2.0s, 30 docs/s, after 3.0s of checks, planning and model load" in timed
     assert set(summary.stats.seconds) == {"read", "tokenize", "encode", "write"}
