@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -221,10 +222,7 @@ class Chunk:
 
     @property
     def skipped(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for reason in self.skipped_reasons:
-            out[reason] = out.get(reason, 0) + 1
-        return out
+        return dict(Counter(self.skipped_reasons))
 
 
 def read_shard(
