@@ -68,6 +68,9 @@ class Embedder:
                       for name, spec in self.specs.items()}
         self.layers = {i for p in self.poolers.values() for i in p.layers}
         self.attention = any(p.needs_attention for p in self.poolers.values())
+        # every pooler reads the last layer's first tokens alone: the forward computes those
+        self.first_token_only = (self.layers == {self.info.num_layers} and not self.attention
+                                 and all(p.first_token_only for p in self.poolers.values()))
         if encoder.window:
             self._check_window(encoder.window.size, encoder.window.stride)
 
@@ -199,7 +202,7 @@ class Embedder:
             stats.batch_tokens += mask.numel() if padded else real
             stats.padding += mask.numel() - real if padded else 0
             states = self.encoder.forward(ids, mask, self.layers, self.attention,
-                                          tokens.prompt_length)
+                                          tokens.prompt_length, self.first_token_only)
             pooled.append((idx, {n: p(states).float() for n, p in self.poolers.items()}))
         # copied back only now, so a GPU never waits for the host between batches
         for idx, vectors in pooled:

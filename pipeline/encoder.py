@@ -391,9 +391,12 @@ class Encoder:
     @torch.inference_mode()
     def forward(
         self, ids: torch.Tensor, mask: torch.Tensor, layers: set[int], attention: bool,
-        prompt_length: int = 0,
+        prompt_length: int = 0, first_token_only: bool = False,
     ) -> TokenStates:
-        """Run the model once; return the requested layers in float32."""
+        """Run the model once; return the requested layers in float32. ``first_token_only``
+        (the last layer alone requested, read at each row's first token): where the fused
+        forward runs the model, that layer comes back as [rows, 1, hidden], computed there
+        alone (``FusedEncoder.forward``); else whole."""
         rows = ids.shape[0]
         if self.compiled:  # as the graph's guards expect (else a recompile): inference
             # tensors made here, and two rows or more (it would specialise on one)
@@ -407,6 +410,8 @@ class Encoder:
         if self.uses_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         need_all = layers != {self.num_layers}
+        if first_token_only and getattr(self.model, "FIRST_TOKEN_ONLY", False):
+            inputs["first_token_only"] = True
         with _autocast(self.device, self.dtype), self._attention_kernels(ids.shape[1]):
             out = self.model(**inputs, output_hidden_states=need_all, output_attentions=attention)
         if need_all:

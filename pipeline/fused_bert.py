@@ -74,6 +74,7 @@ SCORE_BLOCK_BYTES = 8 << 20  # attention scores per block of rows
 MIN_KEYS = 16  # narrower attention rows get masked keys appended
 BF16_SOFTMAX_KEYS = 64  # narrower bf16 rows take their softmax in fp32
 AMX_SDPA_MIN_KEYS = 32  # where AMX runs, bf16 rows this wide take SDPA (``attention_kernel``)
+AttentionKernel = Literal["sdpa", "graph", "blocked"]
 UNPADDED_ALWAYS = 1 << 30  # ``unpadded_below`` where every batch runs unpadded
 
 
@@ -167,21 +168,31 @@ class ProductLayer(torch.nn.Module):
             else:
                 linear.to(dtype)
 
-    def _attend(self, qkv: torch.Tensor, runs: Sequence[tuple[Run, tuple]]) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, runs: Sequence[tuple[Run, tuple]],
+                first: int | None = None) -> torch.Tensor:
         """Attention's context [tokens, hidden] from the query/key/value product's [tokens,
         3 x hidden] (its rows past the runs' tokens: zeros), once a run of rows, each with its
         inputs: its bias (one row's, which all its rows share, or each row's), then what
-        ``positioned`` takes."""
-        context = qkv.new_empty((len(qkv), qkv.shape[1] // 3))
+        ``positioned`` takes. ``first``: the context of each row's first query alone, [rows
+        run by run, then zeros up to ``first``, hidden]."""
+        context = qkv.new_empty((first or len(qkv), qkv.shape[1] // 3))
         end = 0
         for run, (bias, *positions) in runs:
-            span, end = run.span, run.span.stop
+            span = run.span
             heads = qkv[span].view(run.rows, run.width, 3, self.heads, -1).permute(
                 2, 0, 3, 1, 4)
             q, k, v = self.positioned(heads, *positions)
             if bias is not None:
                 bias = bias.expand(run.rows, *bias.shape[1:])
-            attend(q, k, v, bias, out=context[span].view(run.rows, run.width, -1))
+            if first is None:
+                out, end = context[span].view(run.rows, run.width, -1), span.stop
+            else:  # one query a row, over the run's own keys (a padded bias's past them)
+                q, bias = q[:, :, :1], None if bias is None else bias[:, :, :1, : run.width]
+                out, end = context[end : end + run.rows].view(run.rows, 1, -1), end + run.rows
+            # one query a row: SDPA's kernel (1,500 summaries, bf16, a 2-core AMX Xeon VM,
+            # profiled: the blocked kernel's batched products 218 ms in all with these rows,
+            # 53 ms with SDPA taking them, SDPA's own time 35 -> 37 ms)
+            attend(q, k, v, bias, out=out, kernel=None if first is None else "sdpa")
         context[end:] = 0
         return context
 
@@ -269,6 +280,16 @@ class FusedLayer(ProductLayer):
         x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x, owned=owned))
         return self.norm2(self._feed_forward(x, dtype))
 
+    def first_tokens(self, x: torch.Tensor, runs: Sequence[tuple[Run, tuple]],
+                     dtype: torch.dtype, residual: torch.Tensor) -> torch.Tensor:
+        """The layer at each row's first token alone: keys and values over every token of
+        ``x``, the rest over ``residual`` (``x`` at those tokens, run by run, then zero rows
+        up to its product rows): [``len(residual)``, hidden], which it overwrites."""
+        context = self._attend(self._linear(x, self.qkv, dtype), runs, first=len(residual))
+        y = self.norm1(self._linear(context, self.out_proj, dtype, residual=residual,
+                                    owned=True))
+        return self.norm2(self._feed_forward(y, dtype))
+
     def _feed_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``x`` + the FFN's output (into ``x``, which the layer made, where not added in the
         product's epilogue)."""
@@ -294,6 +315,7 @@ class FusedEncoder(torch.nn.Module):
 
     ARCHITECTURE: str  # in messages
     INT8 = False  # has an int8 path (``to_int8``)
+    FIRST_TOKEN_ONLY = False  # its layers compute the first tokens alone (``first_tokens``)
     layers: torch.nn.ModuleList  # of ``ProductLayer``
 
     def __init__(self, config: ModelConfig) -> None:
@@ -330,31 +352,50 @@ class FusedEncoder(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
-                output_attentions: bool = False) -> FusedOutput:
+                output_attentions: bool = False, first_token_only: bool = False
+                ) -> FusedOutput:
         """The transformers model's call: the embeddings (``embed``), then each layer over the
         batch's tokens flat (``layout``) with its own inputs for each run of rows
         (``layer_inputs``), written in place where no state is kept, the last one through
         ``final``; the states as transformers gives them, fp32 (zeros at the padding where
         the stream held the real tokens alone), each layer's padded when read
-        (``PaddedStates``)."""
+        (``PaddedStates``). ``first_token_only`` (where ``FIRST_TOKEN_ONLY``): the last layer
+        at each row's first token alone, [rows, 1, hidden]; its queries, attention output and
+        feed-forward over one token a row instead of all (a [CLS] pooler reads no more)."""
         if output_attentions:
             raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes no attention "
                              "weights; use the model's own")
+        if first_token_only and (output_hidden_states or not self.FIRST_TOKEN_ONLY):
+            raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes the first tokens "
+                             "alone only where it keeps no hidden states and its layers can")
         dtype = self.forward_dtype()
         layout = self.layout(attention_mask, dtype)
         with torch.autocast("cpu", enabled=False):
             x = self.stream(self.embed(input_ids, token_type_ids, layout), dtype)
-            inputs = self.layer_inputs(attention_mask, layout, dtype)
+            inputs = [list(zip(layout.runs, runs, strict=True))
+                      for runs in self.layer_inputs(attention_mask, layout, dtype)]
+            last_layer = len(self.layers) - 1 if first_token_only else None
             states = [x] if output_hidden_states else None  # else each freed once read
-            for layer, runs in zip(self.layers, inputs, strict=True):
-                x = layer(x, list(zip(layout.runs, runs, strict=True)), dtype,
-                          owned=states is None)
+            for i, (layer, runs) in enumerate(zip(self.layers, inputs, strict=True)):
+                if i == last_layer:
+                    return FusedOutput(self._first_tokens(layer, x, runs, dtype, layout))
+                x = layer(x, runs, dtype, owned=states is None)
                 if states is not None:
                     states.append(x)
             last = layout.batch(self.final(x[: layout.tokens]))
         if states is None:
             return FusedOutput(last)
         return FusedOutput(last, PaddedStates(layout, states[:-1], last))
+
+    def _first_tokens(self, layer: ProductLayer, x: torch.Tensor, runs: list, dtype: torch.dtype,
+                      layout: Layout) -> torch.Tensor:
+        """The last ``layer`` at each row's first token ([rows, 1, hidden], fp32, in the
+        batch's row order), over the stream ``x`` the layers before it made."""
+        at, rows = layout.first_tokens()
+        y = self.final(layer.first_tokens(x, runs, dtype, self.stream(x[at], dtype))[: len(at)])
+        out = y.new_empty((layout.shape[0], 1, y.shape[-1]), dtype=torch.float32)
+        out[rows, 0] = y.float()
+        return out
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
               layout: Layout) -> torch.Tensor:
@@ -404,7 +445,7 @@ class FusedEncoder(torch.nn.Module):
 class FusedBert(FusedEncoder):
     """A BERT-family encoder with a fused forward (``bert_family.weight_shapes``)."""
 
-    ARCHITECTURE, INT8 = "BERT-family", True
+    ARCHITECTURE, INT8, FIRST_TOKEN_ONLY = "BERT-family", True, True
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
                  onednn_fp32: bool) -> None:
@@ -475,16 +516,17 @@ class FusedBert(FusedEncoder):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, kernel: AttentionKernel | None = None
+           ) -> torch.Tensor:
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled; ``bias``
     from ``attention_bias``: [rows, 1, 1, ``key_width(tokens, dtype)``] in q's dtype, or
     [rows, heads, ``query_width``, keys] with MPNet's relative position bias added, or None) as
     [rows, tokens, heads x head], written into ``out`` where given (contiguous rows,
-    a view of a longer buffer), through the kernel ``attention_kernel`` picks."""
+    a view of a longer buffer), through ``kernel``, else the one ``attention_kernel`` picks."""
     rows, heads, width, dim = q.shape
     if out is None:
         out = q.new_empty((rows, width, heads * dim))
-    kernel = attention_kernel(width, q.dtype)
+    kernel = kernel or attention_kernel(width, q.dtype)
     if kernel == "graph":
         graph_attention.graph_attention(q, k, v, bias, out)
     elif kernel == "sdpa":
@@ -505,9 +547,9 @@ def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k and v get zero keys appended up to the bias's width (masked by it), and bf16 rows
     narrower than ``BF16_SOFTMAX_KEYS`` are faster cast to fp32 and back."""
     rows, heads, width, dim = q.shape
-    keys = width if bias is None else bias.shape[-1]
-    if keys > width:
-        k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (k, v))
+    keys = k.shape[2] if bias is None else bias.shape[-1]
+    if keys > k.shape[2]:
+        k, v = (F.pad(t, (0, 0, 0, keys - k.shape[2])) for t in (k, v))
     upcast = q.dtype != torch.float32 and keys < BF16_SOFTMAX_KEYS
     block = max(1, SCORE_BLOCK_BYTES // (q.element_size() * heads * width * keys))
     for start in range(0, rows, block):
@@ -523,7 +565,7 @@ def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         context[part] = torch.bmm(weights, vs).view(n, heads, width, dim).transpose(1, 2)
 
 
-def attention_kernel(width: int, dtype: torch.dtype) -> Literal["sdpa", "graph", "blocked"]:
+def attention_kernel(width: int, dtype: torch.dtype) -> AttentionKernel:
     """Which kernel ``attend`` runs over rows of ``width`` tokens in ``dtype`` here, each
     where it was measured fastest:
 

@@ -78,6 +78,14 @@ class Layout:
             return [mask]
         return [torch.ones((1, run.width), dtype=torch.long) for run in self.runs]
 
+    def first_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each row's first token lies in the stream, run by run, and that row's place
+        in the batch."""
+        starts = [torch.arange(run.rows) * run.width + run.start for run in self.runs]
+        at = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.long)
+        padded = at if self.index is None else self.index[at]  # in the padded batch, flat
+        return at, padded // self.shape[1]
+
     def flat(self, x: torch.Tensor) -> torch.Tensor:
         """The padded batch's [rows, width, ...] (its ids, or states) as the stream's
         [tokens, ...]."""

@@ -48,6 +48,8 @@ class Variant:
 VARIANTS = [
     Variant("cls_dense_norm_prompts", "cls", include_prompt=False, dense=(24, "GELU"),
             normalize=True, max_seq_length=64, prompts=PROMPTS, default_prompt="document"),
+    Variant("cls_norm_prompts_counted", "cls", normalize=True, prompts=PROMPTS,
+            default_prompt="document"),  # the last layer at the [CLS] token alone
     Variant("max_len64", "max", max_seq_length=64),
     Variant("mean_norm_prompts", "mean", normalize=True, prompts=PROMPTS,
             default_prompt="document"),

@@ -254,6 +254,61 @@ def test_packed_products_take_a_few_row_counts_and_give_the_batchs_own_states(
     assert want_rows[::12] == [128, 96, 256, 162, 16, 3]  # padded: 115, 320 tokens
 
 
+@pytest.mark.parametrize("kind", ["bert", "mpnet", "distilbert"])
+@pytest.mark.parametrize("unpadded", [True, False])
+def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_tokens(
+        monkeypatch: pytest.MonkeyPatch, kind: str, unpadded: bool) -> None:
+    """``first_token_only``: [rows, 1, hidden], each row's first token of the whole forward's
+    last layer (rows of several lengths, padded or reordered by length where unpadded; a
+    batch without padding), in fp32 and, packed, bf16."""
+    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
+    model = tiny(kind, max_position_embeddings=200)
+    fused, packed = (FusedBert.from_model(model, onednn_fp32=True) for _ in range(2))
+    packed.pack(torch.bfloat16)
+    for rows, width, padded in [(5, 23, True), (3, 40, False), (4, 100, True), (1, 7, True)]:
+        ids, mask = batch(rows, width)
+        if not padded:
+            mask = torch.ones_like(mask)
+        with torch.inference_mode():
+            for forward, tolerance in ((fused, 2e-5), (packed, 3e-2)):
+                whole = forward(ids, mask).last_hidden_state
+                first = forward(ids, mask, first_token_only=True).last_hidden_state
+                assert first.shape == (rows, 1, 48) and first.dtype == torch.float32
+                torch.testing.assert_close(first[:, 0], whole[:, 0], atol=tolerance,
+                                           rtol=tolerance)
+    with pytest.raises(ValueError, match="first tokens alone"):
+        fused(ids, mask, output_hidden_states=True, first_token_only=True)
+
+
+def test_a_cls_pooler_alone_takes_the_first_tokens_path_and_its_vectors(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedder asks for the first tokens alone where every pooler reads nothing else (a
+    [CLS] pooler of the last layer), not beside a mean or over more layers; the vectors are
+    those of the whole forward."""
+    def embedder(*specs: PoolerSpec) -> Embedder:
+        return Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu"),
+                        list(specs))
+
+    cls = embedder(PoolerSpec(name="cls"))
+    assert cls.first_token_only
+    assert not embedder(PoolerSpec(name="cls"), PoolerSpec(name="mean")).first_token_only
+    assert not embedder(PoolerSpec(name="cls4", strategy="cls", layers=[-1, -2])).first_token_only
+    asked: list[bool] = []
+    forward = FusedBert.forward
+
+    def spy(self, *args, first_token_only: bool = False, **kwargs):
+        asked.append(first_token_only)
+        return forward(self, *args, first_token_only=first_token_only, **kwargs)
+
+    monkeypatch.setattr(FusedBert, "forward", spy)
+    texts = TEXTS * 3
+    first = cls.encode(texts)
+    cls.first_token_only = False
+    whole = cls.encode(texts)
+    assert asked and set(asked[: len(asked) // 2]) == {True} and not any(asked[len(asked) // 2:])
+    np.testing.assert_allclose(first, whole, atol=1e-6)
+
+
 @pytest.mark.parametrize("width", [5, 19, 70])  # keys appended (MIN_KEYS); fp32/bf16 softmax
 def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
     """fp32 attention is SDPA's; bf16 attention, in blocks of rows (no AMX), is SDPA's over the

@@ -154,3 +154,13 @@ def test_other_architectures_match_sentence_transformers(
         assert ours.encoder.model.config._attn_implementation == "eager"
     theirs = SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=32)
     assert_same(ours.encode(texts, "model"), theirs, f"{kind} documents")
+
+
+def test_a_cls_pooling_that_counts_its_prompt_computes_the_cls_token_alone(
+        st_models: dict[str, Path]) -> None:
+    """The [CLS] Pooling that counts the prompt in reads each row's first token: the forward
+    computes the last layer there alone (and matches sentence-transformers above); one that
+    leaves the prompt out reads the first token after it."""
+    assert ours_for(st_models["cls_norm_prompts_counted"]).first_token_only
+    assert not ours_for(st_models["cls_dense_norm_prompts"]).first_token_only
+    assert not ours_for(st_models["cls_and_mean_dense_identity"]).first_token_only

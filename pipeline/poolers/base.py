@@ -94,6 +94,12 @@ class Pooler(ABC):
         return {}
 
     @property
+    def first_token_only(self) -> bool:
+        """Whether this pooler reads nothing of its layers but each row's first token (then a
+        forward that reads no other layer computes the last one at those tokens alone)."""
+        return False
+
+    @property
     def dim(self) -> int:
         """Size of the vectors this pooler writes."""
         return self.spec.truncate_dim or self.width

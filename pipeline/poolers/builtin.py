@@ -16,6 +16,10 @@ def _weights(mask: torch.Tensor) -> torch.Tensor:
 class Cls(Pooler):
     """Hidden state of the first token."""
 
+    @property
+    def first_token_only(self) -> bool:
+        return True
+
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor, states: TokenStates) -> torch.Tensor:
         return hidden[:, 0]
 

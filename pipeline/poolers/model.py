@@ -45,6 +45,12 @@ class ModelPipeline(Pooler):
         return self.pooling.width(token_width)
 
     @property
+    def first_token_only(self) -> bool:
+        """A Pooling of the [CLS] token alone that counts a prompt in (else its first token
+        is the first after the prompt)."""
+        return self.pooling.modes == ("cls",) and self.pooling.include_prompt
+
+    @property
     def normalizes(self) -> bool:
         return self.spec.normalize and self.parts.head.normalizes
 
