@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,21 @@ def batch(rows: int = 5, width: int = 23) -> tuple[torch.Tensor, torch.Tensor]:
     lengths[0] = width
     mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
     return ids.masked_fill(mask == 0, 0), mask
+
+
+def batches(shapes: list[tuple]) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(rows, width, ids, mask) of ``batch`` for each (rows, width[, padded]); not padded: a
+    mask of ones (no key masked)."""
+    for rows, width, *padded in shapes:
+        ids, mask = batch(rows, width)
+        yield rows, width, ids, mask if padded != [False] else torch.ones_like(mask)
+
+
+def fp32_and_bf16(model: torch.nn.Module) -> tuple[FusedBert, FusedBert]:
+    """The fused twin of ``model``, and another packed for bf16."""
+    fused, packed = (FusedBert.from_model(model, onednn_fp32=True) for _ in range(2))
+    packed.pack(torch.bfloat16)
+    return fused, packed
 
 
 def real(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -155,12 +171,8 @@ def test_mpnets_relative_position_bias_reaches_every_attention_kernel(
         pytest.skip("this torch has no oneDNN Graph fuser")
     monkeypatch.setattr(fused_bert, "attention_kernel", lambda width, dtype: kernel)
     model = tiny("mpnet", max_position_embeddings=200)
-    fused, packed = (FusedBert.from_model(model, onednn_fp32=True) for _ in range(2))
-    packed.pack(torch.bfloat16)
-    for rows, width, padded in [(5, 23, True), (3, 40, False), (4, 100, True), (2, 5, True)]:
-        ids, mask = batch(rows, width)
-        if not padded:
-            mask = torch.ones_like(mask)
+    fused, packed = fp32_and_bf16(model)
+    for rows, width, ids, mask in batches([(5, 23), (3, 40, False), (4, 100), (2, 5)]):
         with torch.inference_mode():
             want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
             got = fused(ids, mask, output_hidden_states=True).hidden_states
@@ -262,13 +274,8 @@ def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_toke
     last layer (rows of several lengths, padded or reordered by length where unpadded; a
     batch without padding), in fp32 and, packed, bf16."""
     monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
-    model = tiny(kind, max_position_embeddings=200)
-    fused, packed = (FusedBert.from_model(model, onednn_fp32=True) for _ in range(2))
-    packed.pack(torch.bfloat16)
-    for rows, width, padded in [(5, 23, True), (3, 40, False), (4, 100, True), (1, 7, True)]:
-        ids, mask = batch(rows, width)
-        if not padded:
-            mask = torch.ones_like(mask)
+    fused, packed = fp32_and_bf16(tiny(kind, max_position_embeddings=200))
+    for rows, _, ids, mask in batches([(5, 23), (3, 40, False), (4, 100), (1, 7)]):
         with torch.inference_mode():
             for forward, tolerance in ((fused, 2e-5), (packed, 3e-2)):
                 whole = forward(ids, mask).last_hidden_state
