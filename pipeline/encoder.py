@@ -395,8 +395,8 @@ class Encoder:
     ) -> TokenStates:
         """Run the model once; return the requested layers in float32. ``first_token_only``
         (the last layer alone requested, read at each row's first token): where the fused
-        forward runs the model, that layer comes back as [rows, 1, hidden], computed there
-        alone (``FusedEncoder.forward``); else whole."""
+        forward runs the model uncompiled, that layer comes back as [rows, 1, hidden],
+        computed there alone (``FusedEncoder.forward``); else whole."""
         rows = ids.shape[0]
         if self.compiled:  # as the graph's guards expect (else a recompile): inference
             # tensors made here, and two rows or more (it would specialise on one)
@@ -410,7 +410,8 @@ class Encoder:
         if self.uses_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         need_all = layers != {self.num_layers}
-        if first_token_only and getattr(self.model, "FIRST_TOKEN_ONLY", False):
+        if first_token_only and not self.compiled and getattr(self.model, "FIRST_TOKEN_ONLY",
+                                                              False):
             inputs["first_token_only"] = True
         with _autocast(self.device, self.dtype), self._attention_kernels(ids.shape[1]):
             out = self.model(**inputs, output_hidden_states=need_all, output_attentions=attention)

@@ -175,7 +175,7 @@ class ProductLayer(torch.nn.Module):
         inputs: its bias (one row's, which all its rows share, or each row's), then what
         ``positioned`` takes. ``first``: the context of each row's first query alone, [rows
         run by run, then zeros up to ``first``, hidden]."""
-        context = qkv.new_empty((first or len(qkv), qkv.shape[1] // 3))
+        context = qkv.new_empty((len(qkv) if first is None else first, qkv.shape[1] // 3))
         end = 0
         for run, (bias, *positions) in runs:
             span = run.span
@@ -393,7 +393,7 @@ class FusedEncoder(torch.nn.Module):
         batch's row order), over the stream ``x`` the layers before it made."""
         at, rows = layout.first_tokens()
         y = self.final(layer.first_tokens(x, runs, dtype, self.stream(x[at], dtype))[: len(at)])
-        out = y.new_empty((layout.shape[0], 1, y.shape[-1]), dtype=torch.float32)
+        out = y.new_zeros((layout.shape[0], 1, y.shape[-1]), dtype=torch.float32)
         out[rows, 0] = y.float()
         return out
 
