@@ -15,6 +15,9 @@
 * ``electra``: ELECTRA-small's discriminator (transformers' ElectraConfig defaults): 128-wide
   embeddings widened to 256-wide layers, 12 layers of 4 heads, 1,024 inner, mean pooling,
   texts cut at 256 tokens.
+* ``bge-small``: BAAI/bge-small-en-v1.5's shape, a BERT 384 wide, 12 layers of 12 heads, 1,536
+  inner, [CLS] pooling, normalised, texts cut at 512 tokens (the [CLS] path of the fused
+  forward: ``bench/first_token.py``).
 * ``modernbert``: ModernBERT-base (gte-modernbert-base's and modernbert-embed-base's
   architecture; transformers' ModernBertConfig defaults): 768 wide, 22 pre-norm layers of 12
   heads with rotary positions, every third attending globally and the rest within 128
@@ -33,8 +36,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-MAX_TOKENS = {"mpnet": 384, "distilbert": 350, "electra": 256, "modernbert": 512}
-NORMALIZED = {"mpnet": True, "distilbert": False, "electra": False, "modernbert": False}
+MAX_TOKENS = {"mpnet": 384, "distilbert": 350, "electra": 256, "modernbert": 512,
+              "bge-small": 512}
+NORMALIZED = {"mpnet": True, "distilbert": False, "electra": False, "modernbert": False,
+              "bge-small": True}
+POOLING = {"bge-small": "cls"}  # the others: mean
 
 
 def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
@@ -50,6 +56,8 @@ def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
     )
     from transformers import (
         AutoTokenizer,
+        BertConfig,
+        BertModel,
         DistilBertConfig,
         DistilBertModel,
         ElectraConfig,
@@ -66,6 +74,10 @@ def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
         model = MPNetModel(MPNetConfig(vocab_size=tokenizer.vocab_size), add_pooling_layer=False)
     elif arch == "distilbert":  # base: 768 x 6 layers, 3,072 inner
         model = DistilBertModel(DistilBertConfig(vocab_size=tokenizer.vocab_size))
+    elif arch == "bge-small":  # 384 x 12 layers, 1,536 inner
+        model = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=384,
+                                     num_attention_heads=12, intermediate_size=1536,
+                                     max_position_embeddings=512), add_pooling_layer=False)
     elif arch == "electra":  # small: 128-wide embeddings, 256 x 12 layers, 1,024 inner
         model = ElectraModel(ElectraConfig(vocab_size=tokenizer.vocab_size))
     else:  # base: 768 x 22 layers, 1,152 inner (gated), the tokenizer's special ids
@@ -79,7 +91,7 @@ def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
         tokenizer.save_pretrained(base)
         transformer = Transformer(base, max_seq_length=MAX_TOKENS[arch])
         modules = [transformer, Pooling(transformer.get_embedding_dimension(),
-                                        pooling_mode="mean")]
+                                        pooling_mode=POOLING.get(arch, "mean"))]
         if NORMALIZED[arch]:
             modules.append(Normalize())
         SentenceTransformer(modules=modules).save(str(target))
