@@ -197,10 +197,9 @@ class Embedder:
         out = {n: np.empty((len(pieces), p.width), np.float32) for n, p in self.poolers.items()}
         pooled: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
         for idx, ids, mask in self.padded_batches(tokens, pieces):
-            real = int(mask.sum())
-            padded = mask.shape[1] >= self.encoder.unpadded_below  # else its real tokens alone
-            stats.batch_tokens += mask.numel() if padded else real
-            stats.padding += mask.numel() - real if padded else 0
+            token_rows, padding = self.encoder.token_rows(mask)
+            stats.batch_tokens += token_rows
+            stats.padding += padding
             states = self.encoder.forward(ids, mask, self.layers, self.attention,
                                           tokens.prompt_length, self.first_token_only)
             pooled.append((idx, {n: p(states).float() for n, p in self.poolers.items()}))

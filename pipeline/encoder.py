@@ -182,6 +182,15 @@ class Encoder:
         # where the fused forward computes a batch's real tokens alone, the planner counts those
         self.unpadded_below: int = self.model.unpadded_below() if self.fused else 0
 
+    def token_rows(self, mask: torch.Tensor) -> tuple[int, int]:
+        """The token rows ``forward`` computes over a batch of ``mask`` and their padding:
+        its [rows x width] where it runs padded, its real tokens alone where the fused
+        forward runs it unpadded (narrower than ``unpadded_below``)."""
+        real = int(mask.sum())
+        if mask.shape[1] < self.unpadded_below:
+            return real, 0
+        return mask.numel(), mask.numel() - real
+
     @property
     def fused(self) -> bool:
         """Whether a fused forward (``fused_forward``) runs the model."""

@@ -272,23 +272,20 @@ class FusedLayer(ProductLayer):
         self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
 
     def forward(self, x: torch.Tensor, runs: Sequence[tuple[Run, tuple]], dtype: torch.dtype,
-                owned: bool = False) -> torch.Tensor:
+                owned: bool = False, first: torch.Tensor | None = None) -> torch.Tensor:
         """The layer over ``x``: [tokens, hidden], the batch's ``runs`` of rows with each one's
         attention bias (``FusedEncoder.forward``), then rows of zeros up to its product rows,
-        which stay finite; written in place where ``owned`` (no caller keeps it)."""
-        context = self._attend(self._linear(x, self.qkv, dtype), runs)
+        which stay finite; written in place where ``owned`` (no caller keeps it). ``first``:
+        ``x`` at each row's first token (run by run, then zero rows up to its product rows),
+        the layer there alone: keys and values over every token, the rest over those
+        ([``len(first)``, hidden], into ``first``)."""
+        qkv = self._linear(x, self.qkv, dtype)
+        if first is not None:
+            context, x, owned = self._attend(qkv, runs, first=len(first)), first, True
+        else:
+            context = self._attend(qkv, runs)
         x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x, owned=owned))
         return self.norm2(self._feed_forward(x, dtype))
-
-    def first_tokens(self, x: torch.Tensor, runs: Sequence[tuple[Run, tuple]],
-                     dtype: torch.dtype, residual: torch.Tensor) -> torch.Tensor:
-        """The layer at each row's first token alone: keys and values over every token of
-        ``x``, the rest over ``residual`` (``x`` at those tokens, run by run, then zero rows
-        up to its product rows): [``len(residual)``, hidden], which it overwrites."""
-        context = self._attend(self._linear(x, self.qkv, dtype), runs, first=len(residual))
-        y = self.norm1(self._linear(context, self.out_proj, dtype, residual=residual,
-                                    owned=True))
-        return self.norm2(self._feed_forward(y, dtype))
 
     def _feed_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``x`` + the FFN's output (into ``x``, which the layer made, where not added in the
@@ -315,7 +312,7 @@ class FusedEncoder(torch.nn.Module):
 
     ARCHITECTURE: str  # in messages
     INT8 = False  # has an int8 path (``to_int8``)
-    FIRST_TOKEN_ONLY = False  # its layers compute the first tokens alone (``first_tokens``)
+    FIRST_TOKEN_ONLY = False  # its layers compute the first tokens alone (their ``first``)
     layers: torch.nn.ModuleList  # of ``ProductLayer``
 
     def __init__(self, config: ModelConfig) -> None:
@@ -372,27 +369,28 @@ class FusedEncoder(torch.nn.Module):
         layout = self.layout(attention_mask, dtype)
         with torch.autocast("cpu", enabled=False):
             x = self.stream(self.embed(input_ids, token_type_ids, layout), dtype)
-            inputs = [list(zip(layout.runs, runs, strict=True))
-                      for runs in self.layer_inputs(attention_mask, layout, dtype)]
-            last_layer = len(self.layers) - 1 if first_token_only else None
+            layers = [(layer, list(zip(layout.runs, runs, strict=True))) for layer, runs in
+                      zip(self.layers, self.layer_inputs(attention_mask, layout, dtype),
+                          strict=True)]
+            at_first = layers.pop() if first_token_only else None
             states = [x] if output_hidden_states else None  # else each freed once read
-            for i, (layer, runs) in enumerate(zip(self.layers, inputs, strict=True)):
-                if i == last_layer:
-                    return FusedOutput(self._first_tokens(layer, x, runs, dtype, layout))
+            for layer, runs in layers:
                 x = layer(x, runs, dtype, owned=states is None)
                 if states is not None:
                     states.append(x)
+            if at_first is not None:
+                return FusedOutput(self._first_tokens(*at_first, x, dtype, layout))
             last = layout.batch(self.final(x[: layout.tokens]))
         if states is None:
             return FusedOutput(last)
         return FusedOutput(last, PaddedStates(layout, states[:-1], last))
 
-    def _first_tokens(self, layer: ProductLayer, x: torch.Tensor, runs: list, dtype: torch.dtype,
+    def _first_tokens(self, layer: FusedLayer, runs: list, x: torch.Tensor, dtype: torch.dtype,
                       layout: Layout) -> torch.Tensor:
         """The last ``layer`` at each row's first token ([rows, 1, hidden], fp32, in the
         batch's row order), over the stream ``x`` the layers before it made."""
         at, rows = layout.first_tokens()
-        y = self.final(layer.first_tokens(x, runs, dtype, self.stream(x[at], dtype))[: len(at)])
+        y = self.final(layer(x, runs, dtype, first=self.stream(x[at], dtype))[: len(at)])
         out = y.new_zeros((layout.shape[0], 1, y.shape[-1]), dtype=torch.float32)
         out[rows, 0] = y.float()
         return out
@@ -547,9 +545,9 @@ def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k and v get zero keys appended up to the bias's width (masked by it), and bf16 rows
     narrower than ``BF16_SOFTMAX_KEYS`` are faster cast to fp32 and back."""
     rows, heads, width, dim = q.shape
-    keys = k.shape[2] if bias is None else bias.shape[-1]
-    if keys > k.shape[2]:
-        k, v = (F.pad(t, (0, 0, 0, keys - k.shape[2])) for t in (k, v))
+    keys = width if bias is None else bias.shape[-1]
+    if keys > width:
+        k, v = (F.pad(t, (0, 0, 0, keys - width)) for t in (k, v))
     upcast = q.dtype != torch.float32 and keys < BF16_SOFTMAX_KEYS
     block = max(1, SCORE_BLOCK_BYTES // (q.element_size() * heads * width * keys))
     for start in range(0, rows, block):
