@@ -13,7 +13,12 @@ in the same run:
 * ``products alone``: the same products (same shapes and weights) replayed back to back;
 * ``ceiling``: the model's FLOPs / the products' time in context: the encoder's share of the
   peak if everything else (attention, softmax, LayerNorm, adds, copies, tokenizing, pooling)
-  took no time at all, and the padding's share of the products' FLOPs.
+  took no time at all, and the padding's share of the products' FLOPs;
+* ``attention``: its share of the encode, its own FLOPs (over the keys it ran) against the
+  peak, and a softmax alone over the same scores (fp32, in place, torch's kernel) as a share of
+  the attention's time: the part no product kernel can take;
+* ``ceiling with attention``: the model's FLOPs / the products' and the attention's time in
+  context: the share left if only LayerNorm, adds, copies and pooling took no time.
 
 The best of ``--rounds`` encodes counts (the machine is shared). CPU flags printed beside.
 """
@@ -42,6 +47,7 @@ from bench.encode_bench import (  # noqa: E402
 )
 from bench.peak import matmul_peak  # noqa: E402
 from bench.speed import cpu_flags  # noqa: E402
+from pipeline import fused_bert  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder  # noqa: E402
 from pipeline.fused_bert import ProductLayer  # noqa: E402
@@ -84,6 +90,51 @@ class ProductTimer:
                    for shape, layer, *_ in self.calls)
 
 
+class AttentionTimer:
+    """Wraps ``fused_bert.attend`` (every fused forward's attention, any kernel): the seconds
+    each call took and its shape (rows, heads, queries, keys, head width)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, int, int, int, int], float]] = []
+        self._original = fused_bert.attend
+
+    def __enter__(self) -> AttentionTimer:
+        original = self._original
+
+        def timed(q, k, v, bias, out=None, kernel=None):
+            start = time.perf_counter()
+            result = original(q, k, v, bias, out=out, kernel=kernel)
+            self.calls.append(((*q.shape[:3], k.shape[2], q.shape[3]),
+                               time.perf_counter() - start))
+            return result
+
+        fused_bert.attend = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fused_bert.attend = self._original
+
+    def seconds(self) -> float:
+        return sum(seconds for _, seconds in self.calls)
+
+    def flops(self) -> float:
+        """The products' FLOPs over the keys each call ran (q k^T and the weights times v)."""
+        return sum(4.0 * rows * heads * queries * keys * dim
+                   for (rows, heads, queries, keys, dim), _ in self.calls)
+
+
+def softmax_alone(calls: list) -> float:
+    """Seconds a softmax over each call's scores ([rows x heads, queries, keys], fp32, in
+    place) takes, back to back: the exponentials and sums every kernel computes in fp32."""
+    scores = [torch.randn(rows * heads, queries, keys)
+              for (rows, heads, queries, keys, _), _ in calls]
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for s in scores:
+            torch.softmax(s, -1, out=s)
+        return time.perf_counter() - start
+
+
 def replay(calls: list, layer_of_model: ProductLayer) -> float:
     """Seconds the products of ``calls`` take back to back, on random inputs of their shapes."""
     inputs = [(torch.randn(shape).to(dtype), None if other is None else
@@ -101,18 +152,20 @@ def replay(calls: list, layer_of_model: ProductLayer) -> float:
 def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> dict:
     model, lengths = embedder.encoder.model, real_lengths(embedder, texts)
     flops = encoder_flops(lengths, model.config)
-    best: tuple[float, ProductTimer] | None = None
+    best: tuple[float, ProductTimer, AttentionTimer] | None = None
     for _ in range(rounds):
-        with ProductTimer() as timer:
+        with ProductTimer() as timer, AttentionTimer() as attention:
             start = time.perf_counter()
             embedder.encode(texts)
             seconds = time.perf_counter() - start
         if best is None or seconds < best[0]:
-            best = (seconds, timer)
-    seconds, timer = best
+            best = (seconds, timer, attention)
+    seconds, timer, attention = best
     layer = next(m for m in model.modules() if isinstance(m, ProductLayer))
     alone = min(on_torch_thread(replay, timer.calls, layer) for _ in range(rounds))
+    softmax = min(on_torch_thread(softmax_alone, attention.calls) for _ in range(rounds))
     products, padded = timer.seconds(), timer.flops()
+    attending = attention.seconds()
     model_products = encoder_flops(lengths, model.config, attention=False)
     return {
         "docs": len(texts), "encode_s": round(seconds, 3),
@@ -122,6 +175,10 @@ def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> d
         "products_alone_of_peak": round(padded / alone / 1e9 / peak, 3),
         "padding_share_of_product_flops": round(1 - model_products / padded, 3),
         "ceiling_of_peak": round(flops / products / 1e9 / peak, 3),
+        "attention_share_of_encode": round(attending / seconds, 3),
+        "attention_in_context_of_peak": round(attention.flops() / attending / 1e9 / peak, 3),
+        "softmax_alone_share_of_attention": round(softmax / attending, 3),
+        "ceiling_with_attention_of_peak": round(flops / (products + attending) / 1e9 / peak, 3),
     }
 
 
