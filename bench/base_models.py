@@ -23,6 +23,8 @@
   heads with rotary positions, every third attending globally and the rest within 128
   tokens, a gated 1,152-wide GELU feed-forward, no biases; mean pooling, texts cut at 512
   tokens. Runs through ``pipeline.fused_modernbert``.
+* ``modernbert-cls``: the same with [CLS] pooling, normalised (a [CLS] model of that
+  architecture, as gte-modernbert-base is): for ``bench/first_token.py``.
 
 Nothing downloads here, so this saves the shape with random weights (speed does not depend on
 the weights) and the packaged MiniLM's tokenizer (WordPiece, uncased, as both models'; token
@@ -37,10 +39,10 @@ import tempfile
 from pathlib import Path
 
 MAX_TOKENS = {"mpnet": 384, "distilbert": 350, "electra": 256, "modernbert": 512,
-              "bge-small": 512}
+              "modernbert-cls": 512, "bge-small": 512}
 NORMALIZED = {"mpnet": True, "distilbert": False, "electra": False, "modernbert": False,
-              "bge-small": True}
-POOLING = {"bge-small": "cls"}  # the others: mean
+              "modernbert-cls": True, "bge-small": True}
+POOLING = {"bge-small": "cls", "modernbert-cls": "cls"}  # the others: mean
 
 
 def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
@@ -80,7 +82,7 @@ def save_base_model(arch: str, target: Path, seed: int = 0) -> Path:
                                      max_position_embeddings=512), add_pooling_layer=False)
     elif arch == "electra":  # small: 128-wide embeddings, 256 x 12 layers, 1,024 inner
         model = ElectraModel(ElectraConfig(vocab_size=tokenizer.vocab_size))
-    else:  # base: 768 x 22 layers, 1,152 inner (gated), the tokenizer's special ids
+    else:  # ModernBERT-base: 768 x 22 layers, 1,152 inner (gated), the tokenizer's special ids
         ids = {name: getattr(tokenizer, name) for name in (
             "pad_token_id", "cls_token_id", "sep_token_id")}
         model = ModernBertModel(ModernBertConfig(

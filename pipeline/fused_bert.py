@@ -168,6 +168,16 @@ class ProductLayer(torch.nn.Module):
             else:
                 linear.to(dtype)
 
+    def _attention(self, qkv: torch.Tensor, runs: Sequence[tuple[Run, tuple]],
+                   x: torch.Tensor, owned: bool, first: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(context, the stream it is added to, whether the layer owns that stream): over
+        every token of ``x``; with ``first`` (``x`` at each row's first token, a tensor the
+        layer made) over those alone, whose queries alone are then attended."""
+        if first is None:
+            return self._attend(qkv, runs), x, owned
+        return self._attend(qkv, runs, first=len(first)), first, True
+
     def _attend(self, qkv: torch.Tensor, runs: Sequence[tuple[Run, tuple]],
                 first: int | None = None) -> torch.Tensor:
         """Attention's context [tokens, hidden] from the query/key/value product's [tokens,

@@ -177,12 +177,14 @@ class ModernLayer(ProductLayer):
         self.down = linear_from(state, "mlp.Wo")
 
     def forward(self, x: torch.Tensor, runs: Sequence[tuple[Run, tuple]], dtype: torch.dtype,
-                owned: bool = False) -> torch.Tensor:
+                owned: bool = False, first: torch.Tensor | None = None) -> torch.Tensor:
         """The layer over ``x``: [tokens, hidden], the batch's ``runs`` of rows with each one's
         attention bias and rotary table (``Rotary.table``, this layer type's), then zero rows
-        up to its product rows, written in place where ``owned`` (no caller keeps it)."""
+        up to its product rows, written in place where ``owned`` (no caller keeps it).
+        ``first``: the layer at each row's first token alone (``FusedLayer.forward``'s)."""
         normed = x if self.attn_norm is None else self.attn_norm(x)
-        context = self._attend(self._linear(normed, self.qkv, dtype), runs)
+        context, x, owned = self._attention(self._linear(normed, self.qkv, dtype), runs, x,
+                                            owned, first)
         x = self._linear(context, self.out_proj, dtype, residual=x, owned=owned)
         normed = self.mlp_norm(x).to(dtype)  # cast once for both halves
         inner = self._linear(normed, self.up, dtype, activation=True)
@@ -200,7 +202,7 @@ class ModernLayer(ProductLayer):
 class FusedModernBert(FusedEncoder):
     """A ModernBERT with a fused forward (``weight_shapes``)."""
 
-    ARCHITECTURE = "ModernBERT"
+    ARCHITECTURE, FIRST_TOKEN_ONLY = "ModernBERT", True
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
                  onednn_fp32: bool) -> None:

@@ -206,6 +206,31 @@ def test_a_forward_that_keeps_no_states_adds_in_place_to_the_same_vectors(
         assert float(cosine.min()) > (0.99999 if dtype == torch.float32 else 0.999)
 
 
+@pytest.mark.parametrize("layers", [4, 3], ids=["last-global", "last-sliding"])
+@pytest.mark.parametrize("unpadded", [True, False])
+def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_tokens(
+        monkeypatch: pytest.MonkeyPatch, layers: int, unpadded: bool) -> None:
+    """``first_token_only``: each row's first token of the whole forward's last state (after
+    the final LayerNorm), whether the last layer attends globally or within its band (rows
+    wider than the band, rows within it; padded or reordered by length where unpadded), in
+    fp32 and, packed, bf16."""
+    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
+    model = tiny(num_hidden_layers=layers)
+    assert model.config.layer_types[-1] == ("full_attention" if layers == 4
+                                            else "sliding_attention")
+    fused, packed = (FusedModernBert.from_model(model, onednn_fp32=True) for _ in range(2))
+    packed.pack(torch.bfloat16)
+    for rows, width in [(4, 21), (3, 40), (2, 5)]:
+        ids, mask = batch(rows, width)
+        with torch.inference_mode():
+            for forward, tolerance in ((fused, 5e-5), (packed, 3e-2)):
+                whole = forward(ids, mask).last_hidden_state
+                first = forward(ids, mask, first_token_only=True).last_hidden_state
+                assert first.shape == (rows, 1, 48) and first.dtype == torch.float32
+                torch.testing.assert_close(first[:, 0], whole[:, 0], atol=tolerance,
+                                           rtol=tolerance)
+
+
 def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
     model = tiny()
     ids, mask = batch(3, 30)
@@ -262,6 +287,32 @@ def test_the_encoder_fuses_a_modernbert_and_its_vectors_stay_the_set(
     assert not plain.encoder.fused
     np.testing.assert_allclose(fused.encode(texts), plain.encode(texts), atol=1e-5)
     assert fused.fingerprint("mean") == plain.fingerprint("mean")
+
+
+def test_a_cls_pooler_of_a_modernbert_runs_its_last_layer_at_the_first_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The [CLS] pooler alone: the fused forward is asked for the first tokens alone, and the
+    vectors are those of transformers' whole forward."""
+    from pipeline import fused_modernbert
+
+    folder = build_tiny_bert(tmp_path / "modernbert", kind="modernbert")
+    texts = ["a tiny text", "another one, a little longer than the first " * 3, "ok"]
+    cfg = EncoderConfig(model=str(folder), dtype="fp32", device="cpu")
+    cls = Embedder(cfg, [PoolerSpec(name="cls")])
+    asked: list[bool] = []
+    forward = FusedModernBert.forward
+
+    def spy(self, *args, first_token_only: bool = False, **kwargs):
+        asked.append(first_token_only)
+        return forward(self, *args, first_token_only=first_token_only, **kwargs)
+
+    monkeypatch.setattr(FusedModernBert, "forward", spy)
+    got = cls.encode(texts)
+    assert cls.first_token_only and asked and all(asked)
+    monkeypatch.setattr(fused_modernbert, "fusable", lambda config, device: False)
+    plain = Embedder(cfg, [PoolerSpec(name="cls")])
+    assert not plain.encoder.fused
+    np.testing.assert_allclose(got, plain.encode(texts), atol=1e-5)
 
 
 def test_int8_of_a_modernbert_says_why_onednn_cannot_run_it(tmp_path: Path,
