@@ -156,6 +156,22 @@ def test_other_architectures_match_sentence_transformers(
     assert_same(ours.encode(texts, "model"), theirs, f"{kind} documents")
 
 
+def test_a_modernbert_with_cls_pooling_matches_sentence_transformers(
+        tmp_path: Path, texts: list[str]) -> None:
+    """A [CLS] model of ModernBERT's architecture (as gte-modernbert-base): the fused forward
+    computes its last layer at the first tokens alone, and the vectors are
+    sentence-transformers' own."""
+    from sentence_transformers import SentenceTransformer
+
+    base = build_tiny_bert(tmp_path / "base", kind="modernbert")
+    folder = save_variant(base, tmp_path / "st", Variant("modernbert_cls_norm", "cls",
+                                                         normalize=True))
+    ours = ours_for(folder)
+    assert ours.encoder.fused and ours.first_token_only
+    theirs = SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=32)
+    assert_same(ours.encode(texts, "model"), theirs, "modernbert [CLS] documents")
+
+
 def test_a_cls_pooling_that_counts_its_prompt_computes_the_cls_token_alone(
         st_models: dict[str, Path]) -> None:
     """The [CLS] Pooling that counts the prompt in reads each row's first token: the forward
