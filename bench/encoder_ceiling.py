@@ -92,7 +92,8 @@ class ProductTimer:
 
 class AttentionTimer:
     """Wraps ``fused_bert.attend`` (every fused forward's attention, any kernel): the seconds
-    each call took and its shape (rows, heads, queries, keys, head width)."""
+    each call took and its shape (rows, heads, queries, keys, head width), the keys those it
+    ran over (the bias's: masked keys appended, ``fused_bert.key_width``)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[int, int, int, int, int], float]] = []
@@ -104,8 +105,8 @@ class AttentionTimer:
         def timed(q, k, v, bias, out=None, kernel=None):
             start = time.perf_counter()
             result = original(q, k, v, bias, out=out, kernel=kernel)
-            self.calls.append(((*q.shape[:3], k.shape[2], q.shape[3]),
-                               time.perf_counter() - start))
+            keys = k.shape[2] if bias is None else bias.shape[-1]  # masked keys appended
+            self.calls.append(((*q.shape[:3], keys, q.shape[3]), time.perf_counter() - start))
             return result
 
         fused_bert.attend = timed
