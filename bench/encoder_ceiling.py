@@ -56,67 +56,64 @@ from pipeline.torch_thread import on_torch_thread  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ProductTimer:
-    """Wraps ``ProductLayer._product``: the seconds each product took (a residual add or a
-    gate's multiply in its epilogue included) and what it multiplied."""
+class CallTimer:
+    """Wraps the function ``name`` of ``owner`` while entered: each call as ``describe`` tells
+    it from its arguments, then its seconds."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[torch.Size, torch.nn.Module, torch.dtype, bool,
-                               tuple[torch.dtype, str] | None, float]] = []
-        self._original = ProductLayer._product
+    def __init__(self, owner: object, name: str) -> None:
+        self.owner, self.name = owner, name
+        self.calls: list[tuple] = []
+        self._original = getattr(owner, name)
 
-    def __enter__(self) -> ProductTimer:
+    def describe(self, *args, **kwargs) -> tuple:
+        raise NotImplementedError
+
+    def __enter__(self) -> CallTimer:
         original = self._original
 
-        def timed(layer_self, x, layer, dtype, activation, other, binary="add"):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
-            out = original(layer_self, x, layer, dtype, activation, other, binary)
-            epilogue = None if other is None else (other.dtype, binary)
-            self.calls.append((x.shape, layer, dtype, activation, epilogue,
-                               time.perf_counter() - start))
+            out = original(*args, **kwargs)
+            self.calls.append((*self.describe(*args, **kwargs), time.perf_counter() - start))
             return out
 
-        ProductLayer._product = timed
+        setattr(self.owner, self.name, timed)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        ProductLayer._product = self._original
+        setattr(self.owner, self.name, self._original)
 
     def seconds(self) -> float:
         return sum(call[-1] for call in self.calls)
+
+
+class ProductTimer(CallTimer):
+    """Wraps ``ProductLayer._product``: the seconds each product took (a residual add or a
+    gate's multiply in its epilogue included) and what it multiplied: (input shape, layer,
+    dtype, activation, the epilogue's (dtype, binary) or None, seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__(ProductLayer, "_product")
+
+    def describe(self, layer_self, x, layer, dtype, activation, other, binary="add") -> tuple:
+        return x.shape, layer, dtype, activation, None if other is None else (other.dtype, binary)
 
     def flops(self) -> float:
         return sum(2.0 * shape.numel() * layer.out_features
                    for shape, layer, *_ in self.calls)
 
 
-class AttentionTimer:
+class AttentionTimer(CallTimer):
     """Wraps ``fused_bert.attend`` (every fused forward's attention, any kernel): the seconds
     each call took and its shape (rows, heads, queries, keys, head width), the keys those it
     ran over (the bias's: masked keys appended, ``fused_bert.key_width``)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[tuple[int, int, int, int, int], float]] = []
-        self._original = fused_bert.attend
+        super().__init__(fused_bert, "attend")
 
-    def __enter__(self) -> AttentionTimer:
-        original = self._original
-
-        def timed(q, k, v, bias, out=None, kernel=None):
-            start = time.perf_counter()
-            result = original(q, k, v, bias, out=out, kernel=kernel)
-            keys = k.shape[2] if bias is None else bias.shape[-1]  # masked keys appended
-            self.calls.append(((*q.shape[:3], keys, q.shape[3]), time.perf_counter() - start))
-            return result
-
-        fused_bert.attend = timed
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        fused_bert.attend = self._original
-
-    def seconds(self) -> float:
-        return sum(seconds for _, seconds in self.calls)
+    def describe(self, q, k, v, bias, out=None, kernel=None) -> tuple:
+        keys = k.shape[2] if bias is None else bias.shape[-1]
+        return ((*q.shape[:3], keys, q.shape[3]),)
 
     def flops(self) -> float:
         """The products' FLOPs over the keys each call ran (q k^T and the weights times v)."""

@@ -99,6 +99,35 @@ def build_tiny_bert(target: Path, seed: int = 0, kind: str = "bert") -> Path:
     return target
 
 
+def record_first_token_asks(monkeypatch: pytest.MonkeyPatch, model_class: type) -> list[bool]:
+    """Each call's ``first_token_only`` to ``model_class.forward`` (a fused forward), recorded
+    from now on; the forward runs as before."""
+    asked: list[bool] = []
+    forward = model_class.forward
+
+    def spy(self, *args, first_token_only: bool = False, **kwargs):
+        asked.append(first_token_only)
+        return forward(self, *args, first_token_only=first_token_only, **kwargs)
+
+    monkeypatch.setattr(model_class, "forward", spy)
+    return asked
+
+
+def assert_first_tokens_alone_are_the_whole_forwards(forwards: list, ids, mask) -> None:
+    """For each (fused forward, tolerance): its ``first_token_only`` output over the batch is
+    [rows, 1, hidden] fp32, the whole forward's first tokens within the tolerance."""
+    import torch
+
+    with torch.inference_mode():
+        for forward, tolerance in forwards:
+            whole = forward(ids, mask).last_hidden_state
+            first = forward(ids, mask, first_token_only=True).last_hidden_state
+            assert first.shape == (len(ids), 1, whole.shape[-1])
+            assert first.dtype == torch.float32
+            torch.testing.assert_close(first[:, 0], whole[:, 0], atol=tolerance,
+                                       rtol=tolerance)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Folder of a tiny random BERT (hidden 32, 2 layers, 128 positions)."""

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_first_tokens_alone_are_the_whole_forwards, record_first_token_asks
 from transformers import (
     BertConfig,
     BertModel,
@@ -275,14 +276,9 @@ def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_toke
     batch without padding), in fp32 and, packed, bf16."""
     monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
     fused, packed = fp32_and_bf16(tiny(kind, max_position_embeddings=200))
-    for rows, _, ids, mask in batches([(5, 23), (3, 40, False), (4, 100), (1, 7)]):
-        with torch.inference_mode():
-            for forward, tolerance in ((fused, 2e-5), (packed, 3e-2)):
-                whole = forward(ids, mask).last_hidden_state
-                first = forward(ids, mask, first_token_only=True).last_hidden_state
-                assert first.shape == (rows, 1, 48) and first.dtype == torch.float32
-                torch.testing.assert_close(first[:, 0], whole[:, 0], atol=tolerance,
-                                           rtol=tolerance)
+    for _, _, ids, mask in batches([(5, 23), (3, 40, False), (4, 100), (1, 7)]):
+        assert_first_tokens_alone_are_the_whole_forwards([(fused, 2e-5), (packed, 3e-2)], ids,
+                                                          mask)
     with pytest.raises(ValueError, match="first tokens alone"):
         fused(ids, mask, output_hidden_states=True, first_token_only=True)
 
@@ -300,14 +296,7 @@ def test_a_cls_pooler_alone_takes_the_first_tokens_path_and_its_vectors(
     assert cls.first_token_only
     assert not embedder(PoolerSpec(name="cls"), PoolerSpec(name="mean")).first_token_only
     assert not embedder(PoolerSpec(name="cls4", strategy="cls", layers=[-1, -2])).first_token_only
-    asked: list[bool] = []
-    forward = FusedBert.forward
-
-    def spy(self, *args, first_token_only: bool = False, **kwargs):
-        asked.append(first_token_only)
-        return forward(self, *args, first_token_only=first_token_only, **kwargs)
-
-    monkeypatch.setattr(FusedBert, "forward", spy)
+    asked = record_first_token_asks(monkeypatch, FusedBert)
     texts = TEXTS * 3
     first = cls.encode(texts)
     cls.first_token_only = False

@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_bert
+from conftest import (
+    assert_first_tokens_alone_are_the_whole_forwards,
+    build_tiny_bert,
+    record_first_token_asks,
+)
 from transformers import ModernBertConfig, ModernBertModel
 
 from pipeline import fused_bert, graph_attention
@@ -221,14 +225,8 @@ def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_toke
     fused, packed = (FusedModernBert.from_model(model, onednn_fp32=True) for _ in range(2))
     packed.pack(torch.bfloat16)
     for rows, width in [(4, 21), (3, 40), (2, 5)]:
-        ids, mask = batch(rows, width)
-        with torch.inference_mode():
-            for forward, tolerance in ((fused, 5e-5), (packed, 3e-2)):
-                whole = forward(ids, mask).last_hidden_state
-                first = forward(ids, mask, first_token_only=True).last_hidden_state
-                assert first.shape == (rows, 1, 48) and first.dtype == torch.float32
-                torch.testing.assert_close(first[:, 0], whole[:, 0], atol=tolerance,
-                                           rtol=tolerance)
+        assert_first_tokens_alone_are_the_whole_forwards([(fused, 5e-5), (packed, 3e-2)],
+                                                          *batch(rows, width))
 
 
 def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
@@ -299,14 +297,7 @@ def test_a_cls_pooler_of_a_modernbert_runs_its_last_layer_at_the_first_tokens(
     texts = ["a tiny text", "another one, a little longer than the first " * 3, "ok"]
     cfg = EncoderConfig(model=str(folder), dtype="fp32", device="cpu")
     cls = Embedder(cfg, [PoolerSpec(name="cls")])
-    asked: list[bool] = []
-    forward = FusedModernBert.forward
-
-    def spy(self, *args, first_token_only: bool = False, **kwargs):
-        asked.append(first_token_only)
-        return forward(self, *args, first_token_only=first_token_only, **kwargs)
-
-    monkeypatch.setattr(FusedModernBert, "forward", spy)
+    asked = record_first_token_asks(monkeypatch, FusedModernBert)
     got = cls.encode(texts)
     assert cls.first_token_only and asked and all(asked)
     monkeypatch.setattr(fused_modernbert, "fusable", lambda config, device: False)
