@@ -3,8 +3,9 @@
 The model is loaded by ``pipeline.models.loader`` (a sentence-transformers folder as its
 modules say); the dtype is chosen by ``pipeline.precision``. The forward asks the model only
 for what the configured poolers need: earlier layers' hidden states when a pooler reads them,
-attention probabilities only for the attention pooler (which needs the eager attention
-kernel; everything else runs fused SDPA).
+attention probabilities only for the attention pooler (the fused CPU forward computes the last
+layer's from the first token alone; transformers' model needs its eager attention kernel for
+them, everything else runs fused SDPA).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class Encoder:
             config, self.tokenizer = recorded.load(self.files, self.files_hash,
                                                    self.cfg.trust_remote_code)
             self.int8_kernel = self._int8_kernel(config)
-            self.fused_forward = self._fused_forward(config, need_attention)
+            self.fused_forward = self._fused_forward(config)
             self.fp32_kernel = self._fp32_kernel()
             self.model = self._load_model(config, need_attention)
         except ConfigError:
@@ -222,14 +223,13 @@ class Encoder:
         check_onnxruntime()
         return "onnxruntime"
 
-    def _fused_forward(self, config: recorded.ModelConfig, need_attention: bool
-                       ) -> type[FusedEncoder] | None:
+    def _fused_forward(self, config: recorded.ModelConfig) -> type[FusedEncoder] | None:
         """The fused forward that runs the model (``pipeline.fused``: one that computes what
-        the model does, on a CPU), where no attention weights are wanted and the model is not
+        the model does, on a CPU; the attention pooler's weights too), where the model is not
         handed on; else None."""
         from pipeline.fused import fused_forward
 
-        if need_attention or self._handed_on:
+        if self._handed_on:
             return None
         return fused_forward(config, self.device)
 
@@ -422,14 +422,19 @@ class Encoder:
         if first_token_only and not self.compiled and getattr(self.model, "FIRST_TOKEN_ONLY",
                                                               False):
             inputs["first_token_only"] = True
+        if attention and self.fused:  # the first token's weights alone, from its last layer
+            inputs["first_token_attention"] = True
         with _autocast(self.device, self.dtype), self._attention_kernels(ids.shape[1]):
-            out = self.model(**inputs, output_hidden_states=need_all, output_attentions=attention)
+            out = self.model(**inputs, output_hidden_states=need_all,
+                             output_attentions=attention and not self.fused)
         if need_all:
             hidden = {i: out.hidden_states[i][:rows].float() for i in layers}
         else:
             hidden = {self.num_layers: out.last_hidden_state[:rows].float()}
         first = None
-        if attention:
+        if attention and self.fused:
+            first = out.first_token_attention[:rows]
+        elif attention:
             first = out.attentions[-1][:rows, :, 0, :].float().mean(dim=1)
         return TokenStates(hidden, mask[:rows], first, self.num_layers, prompt_length)
 

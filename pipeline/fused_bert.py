@@ -41,9 +41,9 @@ states match transformers' within float rounding (tested), bf16 ones pass the sa
 
 Used on a CPU for ``model_type`` bert / roberta / xlm-roberta / camembert / electra with
 absolute positions and GELU, for distilbert and for mpnet (its relative position bias added to
-the padding mask; what tells them apart: ``pipeline.bert_family``), when no pooler needs
-attention weights (those run transformers' eager attention), and not with ``--compile`` (which
-takes the transformers model). ``dtype int8`` runs it too (``to_int8``) where oneDNN's int8
+the padding mask; what tells them apart: ``pipeline.bert_family``), the attention pooler's
+weights too (``first_token_attention``), and not with ``--compile`` (which takes the
+transformers model). ``dtype int8`` runs it too (``to_int8``) where oneDNN's int8
 product and bf16 run natively here, else takes the transformers model to ONNX Runtime
 (``pipeline.quantize``). A GPU keeps transformers' forward and SDPA's fused kernels.
 """
@@ -96,6 +96,9 @@ class FusedOutput:
 
     last_hidden_state: torch.Tensor
     hidden_states: Sequence[torch.Tensor] | None = None  # each layer's, padded when read
+    # [rows, width] fp32: the last layer's attention from each row's first token, averaged
+    # over heads (what the attention pooler reads of transformers' attention probabilities)
+    first_token_attention: torch.Tensor | None = None
 
 
 class Embeddings(torch.nn.Module):
@@ -169,22 +172,25 @@ class ProductLayer(torch.nn.Module):
                 linear.to(dtype)
 
     def _attention(self, qkv: torch.Tensor, runs: Sequence[tuple[Run, tuple]],
-                   x: torch.Tensor, owned: bool, first: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                   x: torch.Tensor, owned: bool, first: torch.Tensor | None,
+                   weights: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(context, the stream it is added to, whether the layer owns that stream): over
         every token of ``x``; with ``first`` (``x`` at each row's first token, a tensor the
-        layer made) over those alone, whose queries alone are then attended."""
+        layer made) over those alone, whose queries alone are then attended. ``weights``:
+        ``_attend``'s."""
         if first is None:
-            return self._attend(qkv, runs), x, owned
-        return self._attend(qkv, runs, first=len(first)), first, True
+            return self._attend(qkv, runs, weights=weights), x, owned
+        return self._attend(qkv, runs, first=len(first), weights=weights), first, True
 
     def _attend(self, qkv: torch.Tensor, runs: Sequence[tuple[Run, tuple]],
-                first: int | None = None) -> torch.Tensor:
+                first: int | None = None, weights: list[torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """Attention's context [tokens, hidden] from the query/key/value product's [tokens,
         3 x hidden] (its rows past the runs' tokens: zeros), once a run of rows, each with its
         inputs: its bias (one row's, which all its rows share, or each row's), then what
         ``positioned`` takes. ``first``: the context of each row's first query alone, [rows
-        run by run, then zeros up to ``first``, hidden]."""
+        run by run, then zeros up to ``first``, hidden]. ``weights``: each run's
+        ``first_query_weights`` appended, flat (the run's share of the stream)."""
         context = qkv.new_empty((len(qkv) if first is None else first, qkv.shape[1] // 3))
         end = 0
         for run, (bias, *positions) in runs:
@@ -194,6 +200,8 @@ class ProductLayer(torch.nn.Module):
             q, k, v = self.positioned(heads, *positions)
             if bias is not None:
                 bias = bias.expand(run.rows, *bias.shape[1:])
+            if weights is not None:
+                weights.append(first_query_weights(q, k, bias).flatten())
             if first is None:
                 out, end = context[span].view(run.rows, run.width, -1), span.stop
             else:  # one query a row, over the run's own keys (a padded bias's past them)
@@ -282,18 +290,17 @@ class FusedLayer(ProductLayer):
         self.ffn: Int8FeedForward | None = None  # up and down in int8 (``to_int8``)
 
     def forward(self, x: torch.Tensor, runs: Sequence[tuple[Run, tuple]], dtype: torch.dtype,
-                owned: bool = False, first: torch.Tensor | None = None) -> torch.Tensor:
+                owned: bool = False, first: torch.Tensor | None = None,
+                weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The layer over ``x``: [tokens, hidden], the batch's ``runs`` of rows with each one's
         attention bias (``FusedEncoder.forward``), then rows of zeros up to its product rows,
         which stay finite; written in place where ``owned`` (no caller keeps it). ``first``:
         ``x`` at each row's first token (run by run, then zero rows up to its product rows),
         the layer there alone: keys and values over every token, the rest over those
-        ([``len(first)``, hidden], into ``first``)."""
-        qkv = self._linear(x, self.qkv, dtype)
-        if first is not None:
-            context, x, owned = self._attend(qkv, runs, first=len(first)), first, True
-        else:
-            context = self._attend(qkv, runs)
+        ([``len(first)``, hidden], into ``first``). ``weights``: the attention from each row's
+        first token appended, run by run (``ProductLayer._attend``)."""
+        context, x, owned = self._attention(self._linear(x, self.qkv, dtype), runs, x, owned,
+                                            first, weights)
         x = self.norm1(self._linear(context, self.out_proj, dtype, residual=x, owned=owned))
         return self.norm2(self._feed_forward(x, dtype))
 
@@ -359,8 +366,8 @@ class FusedEncoder(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
-                output_attentions: bool = False, first_token_only: bool = False
-                ) -> FusedOutput:
+                output_attentions: bool = False, first_token_only: bool = False,
+                first_token_attention: bool = False) -> FusedOutput:
         """The transformers model's call: the embeddings (``embed``), then each layer over the
         batch's tokens flat (``layout``) with its own inputs for each run of rows
         (``layer_inputs``), written in place where no state is kept, the last one through
@@ -368,10 +375,14 @@ class FusedEncoder(torch.nn.Module):
         the stream held the real tokens alone), each layer's padded when read
         (``PaddedStates``). ``first_token_only`` (where ``FIRST_TOKEN_ONLY``): the last layer
         at each row's first token alone, [rows, 1, hidden]; its queries, attention output and
-        feed-forward over one token a row instead of all (a [CLS] pooler reads no more)."""
+        feed-forward over one token a row instead of all (a [CLS] pooler reads no more).
+        ``first_token_attention``: the last layer's attention from each row's first token,
+        averaged over heads, too (``FusedOutput.first_token_attention``; the attention pooler
+        reads no more of the weights)."""
         if output_attentions:
             raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes no attention "
-                             "weights; use the model's own")
+                             "weights but the first token's (first_token_attention); use "
+                             "the model's own")
         if first_token_only and (output_hidden_states or not self.FIRST_TOKEN_ONLY):
             raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes the first tokens "
                              "alone only where it keeps no hidden states and its layers can")
@@ -382,25 +393,31 @@ class FusedEncoder(torch.nn.Module):
             layers = [(layer, list(zip(layout.runs, runs, strict=True))) for layer, runs in
                       zip(self.layers, self.layer_inputs(attention_mask, layout, dtype),
                           strict=True)]
-            at_first = layers.pop() if first_token_only else None
+            last_layer, last_runs = layers.pop()
             states = [x] if output_hidden_states else None  # else each freed once read
             for layer, runs in layers:
                 x = layer(x, runs, dtype, owned=states is None)
                 if states is not None:
                     states.append(x)
-            if at_first is not None:
-                return FusedOutput(self._first_tokens(*at_first, x, dtype, layout))
+            weights = [] if first_token_attention else None  # the last layer's, run by run
+            if first_token_only:
+                last = self._first_tokens(last_layer, last_runs, x, dtype, layout, weights)
+                return FusedOutput(last, None, first_weights(weights, layout))
+            x = last_layer(x, last_runs, dtype, owned=states is None, weights=weights)
             last = layout.batch(self.final(x[: layout.tokens]))
+        attention = first_weights(weights, layout)
         if states is None:
-            return FusedOutput(last)
-        return FusedOutput(last, PaddedStates(layout, states[:-1], last))
+            return FusedOutput(last, None, attention)
+        return FusedOutput(last, PaddedStates(layout, states, last), attention)
 
     def _first_tokens(self, layer: FusedLayer, runs: list, x: torch.Tensor, dtype: torch.dtype,
-                      layout: Layout) -> torch.Tensor:
+                      layout: Layout, weights: list[torch.Tensor] | None) -> torch.Tensor:
         """The last ``layer`` at each row's first token ([rows, 1, hidden], fp32, in the
-        batch's row order), over the stream ``x`` the layers before it made."""
+        batch's row order), over the stream ``x`` the layers before it made (``weights``: its
+        forward's)."""
         at, rows = layout.first_tokens()
-        y = self.final(layer(x, runs, dtype, first=self.stream(x[at], dtype))[: len(at)])
+        first = self.stream(x[at], dtype)
+        y = self.final(layer(x, runs, dtype, first=first, weights=weights)[: len(at)])
         out = y.new_zeros((layout.shape[0], 1, y.shape[-1]), dtype=torch.float32)
         out[rows, 0] = y.float()
         return out
@@ -543,6 +560,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     else:
         _blocked_attention(q, k, v, bias, out.view(rows, width, heads, dim))
     return out
+
+
+def first_weights(weights: list[torch.Tensor] | None, layout: Layout) -> torch.Tensor | None:
+    """The runs' first-token attention weights (``ProductLayer._attend``: flat, run by run, as
+    the stream holds their tokens) as the padded batch's [rows, width], zeros at padding."""
+    if weights is None:
+        return None
+    flat = torch.cat(weights) if weights else torch.zeros(0)
+    return layout.batch(flat[:, None])[..., 0]
+
+
+def first_query_weights(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """Each row's first query's attention weights over its keys, averaged over heads:
+    [rows, keys] in fp32, from ``attend``'s q (scaled), k and bias ([rows, heads, tokens,
+    head]; the bias's keys past k's cut): what transformers' attention probabilities give at
+    query 0 (``Encoder.forward``). One query a row: a small product beside the layer's."""
+    scores = torch.matmul(q[:, :, :1].float(), k.float().transpose(-1, -2))
+    if bias is not None:
+        scores += bias[:, :, :1, : k.shape[2]].float()
+    return scores.softmax(-1).mean(dim=1)[:, 0]
 
 
 def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

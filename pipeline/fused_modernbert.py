@@ -42,8 +42,8 @@ Its weights are the model's own state dict (``weight_shapes``), read straight fr
 ``model.safetensors`` by ``pipeline.models.loader.read_fused_weights`` where it can. Hidden
 states are returned as transformers' ``output_hidden_states`` gives them: the
 embeddings, each layer's output, the last one after the final LayerNorm. Not used with int8
-(its kernels are BERT's layer's: such a run takes transformers' model to ONNX Runtime), with
-a pooler that reads attention weights, nor with rotary scaling other than the default.
+(its kernels are BERT's layer's: such a run takes transformers' model to ONNX Runtime), nor
+with rotary scaling other than the default.
 """
 
 from __future__ import annotations
@@ -177,14 +177,15 @@ class ModernLayer(ProductLayer):
         self.down = linear_from(state, "mlp.Wo")
 
     def forward(self, x: torch.Tensor, runs: Sequence[tuple[Run, tuple]], dtype: torch.dtype,
-                owned: bool = False, first: torch.Tensor | None = None) -> torch.Tensor:
+                owned: bool = False, first: torch.Tensor | None = None,
+                weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The layer over ``x``: [tokens, hidden], the batch's ``runs`` of rows with each one's
         attention bias and rotary table (``Rotary.table``, this layer type's), then zero rows
         up to its product rows, written in place where ``owned`` (no caller keeps it).
-        ``first``: the layer at each row's first token alone (``FusedLayer.forward``'s)."""
+        ``first`` and ``weights``: as ``FusedLayer.forward``'s."""
         normed = x if self.attn_norm is None else self.attn_norm(x)
         context, x, owned = self._attention(self._linear(normed, self.qkv, dtype), runs, x,
-                                            owned, first)
+                                            owned, first, weights)
         x = self._linear(context, self.out_proj, dtype, residual=x, owned=owned)
         normed = self.mlp_norm(x).to(dtype)  # cast once for both halves
         inner = self._linear(normed, self.up, dtype, activation=True)

@@ -283,6 +283,32 @@ def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_toke
         fused(ids, mask, output_hidden_states=True, first_token_only=True)
 
 
+@pytest.mark.parametrize("kind", ["bert", "mpnet", "distilbert"])
+@pytest.mark.parametrize("unpadded", [True, False])
+def test_the_first_tokens_attention_is_the_models_own_attention_probabilities(
+        monkeypatch: pytest.MonkeyPatch, kind: str, unpadded: bool) -> None:
+    """``first_token_attention``: [rows, width], each row's last-layer attention from its
+    first token averaged over heads, as transformers' eager attention gives it (MPNet's with
+    its relative position bias), zeros at padding; the same beside ``first_token_only``;
+    packed bf16 within its rounding."""
+    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
+    model = tiny(kind, max_position_embeddings=200)
+    model.set_attn_implementation("eager")
+    fused, packed = fp32_and_bf16(model)
+    for rows, width, ids, mask in batches([(5, 23), (3, 40, False), (1, 7)]):
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+            want = out.attentions[-1][:, :, 0, :].mean(dim=1) * mask
+            got = fused(ids, mask, first_token_attention=True).first_token_attention
+            with_first = fused(ids, mask, first_token_only=True, first_token_attention=True)
+            half = packed(ids, mask, first_token_attention=True).first_token_attention
+        assert got.shape == (rows, width) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(with_first.first_token_attention, got)
+        torch.testing.assert_close(half, want, atol=2e-2, rtol=0)
+        assert fused(ids, mask).first_token_attention is None
+
+
 def test_a_cls_pooler_alone_takes_the_first_tokens_path_and_its_vectors(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The embedder asks for the first tokens alone where every pooler reads nothing else (a
@@ -471,11 +497,15 @@ def test_the_encoder_fuses_where_it_may_and_the_vectors_stay_the_set(
 
     fused, attention = embedder("mean"), embedder("attention")
     assert fused.encoder.fused and isinstance(fused.encoder.model, FusedBert)
-    assert not attention.encoder.fused  # its pooler reads the model's attention weights
-    plain = embedder("mean", fuse=False)
-    assert not plain.encoder.fused
+    assert attention.encoder.fused  # the first token's attention weights computed there
+    plain, plain_attention = embedder("mean", fuse=False), embedder("attention", fuse=False)
+    assert not plain.encoder.fused and not plain_attention.encoder.fused
     np.testing.assert_allclose(fused.encode(TEXTS), plain.encode(TEXTS), atol=1e-5)
     assert fused.fingerprint("mean") == plain.fingerprint("mean")
+    # transformers' eager attention probabilities against the fused forward's
+    np.testing.assert_allclose(attention.encode(TEXTS), plain_attention.encode(TEXTS),
+                               atol=1e-5)
+    assert attention.fingerprint("attention") == plain_attention.fingerprint("attention")
 
 
 def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:

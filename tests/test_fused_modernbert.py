@@ -229,6 +229,29 @@ def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_toke
                                                           *batch(rows, width))
 
 
+@pytest.mark.parametrize("layers", [4, 3], ids=["last-global", "last-sliding"])
+@pytest.mark.parametrize("unpadded", [True, False])
+def test_the_first_tokens_attention_is_the_models_own_attention_probabilities(
+        monkeypatch: pytest.MonkeyPatch, layers: int, unpadded: bool) -> None:
+    """``first_token_attention``: each row's last-layer attention from its first token
+    averaged over heads, as transformers' eager attention gives it, within the sliding band
+    where the last layer slides (rows wider than the band), zeros at padding."""
+    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
+    model = tiny(num_hidden_layers=layers)
+    model.set_attn_implementation("eager")
+    fused = FusedModernBert.from_model(model, onednn_fp32=True)
+    for rows, width in [(4, 21), (3, 40), (2, 5)]:
+        ids, mask = batch(rows, width)
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+            got = fused(ids, mask, first_token_attention=True).first_token_attention
+        want = out.attentions[-1][:, :, 0, :].mean(dim=1) * mask
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        band = model.config.local_attention // 2
+        if layers == 3 and width > band + 1:  # the first row's keys past the band: no weight
+            assert got[0, band + 1:].eq(0).all() and got[0, : band + 1].gt(0).all()
+
+
 def test_a_row_without_real_tokens_gives_numbers_not_nans() -> None:
     model = tiny()
     ids, mask = batch(3, 30)
@@ -261,8 +284,8 @@ def test_only_modernberts_it_computes_exactly_are_fused(overrides: dict, expecte
 
 def test_the_encoder_fuses_a_modernbert_and_its_vectors_stay_the_set(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fused in fp32 and under ``auto``; not where a pooler reads attention weights; the
-    vectors transformers' forward gives, the same set."""
+    """Fused in fp32 and under ``auto``, and where a pooler reads the first token's attention
+    weights (computed there); the vectors transformers' forward gives, the same sets."""
     from pipeline import fused_modernbert
 
     folder = build_tiny_bert(tmp_path / "modernbert", kind="modernbert")
@@ -275,16 +298,18 @@ def test_the_encoder_fuses_a_modernbert_and_its_vectors_stay_the_set(
     fused, auto, attention = embedder(), embedder(dtype="auto"), embedder("attention")
     assert isinstance(fused.encoder.model, FusedModernBert)
     assert isinstance(auto.encoder.model, FusedModernBert)
-    assert not attention.encoder.fused
+    assert attention.encoder.fused
     model = fused.encoder.model  # its batches sized by its gated first product's width
     assert model.dims.inner == 2 * model.config.intermediate_size
     assert (fused.encoder.token_budget, fused.encoder.max_batch_rows) == batch_limits(
         fused.encoder.cfg, CPU, model.dims.hidden, model.dims.inner, "fp32")
     monkeypatch.setattr(fused_modernbert, "fusable", lambda config, device: False)
-    plain = embedder()
-    assert not plain.encoder.fused
+    plain, plain_attention = embedder(), embedder("attention")
+    assert not plain.encoder.fused and not plain_attention.encoder.fused
     np.testing.assert_allclose(fused.encode(texts), plain.encode(texts), atol=1e-5)
     assert fused.fingerprint("mean") == plain.fingerprint("mean")
+    np.testing.assert_allclose(attention.encode(texts), plain_attention.encode(texts),
+                               atol=1e-5)
 
 
 def test_a_cls_pooler_of_a_modernbert_runs_its_last_layer_at_the_first_tokens(

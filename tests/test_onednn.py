@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeline.encoder
+import pipeline.fused_bert
 import pipeline.onednn
 from pipeline import hardware
 from pipeline.config import EncoderConfig, PoolerSpec
@@ -129,11 +130,13 @@ def test_packed_linears_compute_the_linears_products(dtype: torch.dtype) -> None
 
 def test_a_model_that_keeps_its_own_forward_is_packed_once_its_dtype_is_fixed(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """transformers' forward (here: the attention pooler reads its attention weights) in bf16
-    over packed weights gives what it gave over weights cast to bf16."""
+    """transformers' forward (here: the fused forward turned off) in bf16 over packed weights
+    gives what it gave over weights cast to bf16."""
+    monkeypatch.setattr(pipeline.fused_bert, "fusable", lambda config, device: False)
+
     def embedder() -> Embedder:
         cfg = EncoderConfig(model=str(tiny_model_dir), dtype="bf16", device="cpu")
-        return Embedder(cfg, [PoolerSpec(name="attention")])
+        return Embedder(cfg, [PoolerSpec(name="mean")])
 
     packed = embedder()
     assert not packed.encoder.fused
@@ -152,22 +155,25 @@ def test_a_model_that_keeps_its_own_forward_is_packed_once_its_dtype_is_fixed(
 
 def test_the_encoder_uses_onednn_in_fp32_only_where_it_wins(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def embedder(onednn_gflops: float, pooler: str = "mean", apart_gflops: float = 0.0
+    def embedder(onednn_gflops: float, fuse: bool = True, apart_gflops: float = 0.0
                  ) -> Embedder:
         """oneDNN's up product with its GELU in its epilogue weighed as its bare product,
-        with ATen's GELU after it at ``apart_gflops`` (MKL's with GELU: the bare one's 200)."""
+        with ATen's GELU after it at ``apart_gflops`` (MKL's with GELU: the bare one's 200);
+        not ``fuse``: transformers' own forward."""
         monkeypatch.setattr(hardware, "cpu_profile", lambda: {
             "fp32_gflops": 200.0, "fp32_onednn_gflops": onednn_gflops, "bf16_gflops": 200.0,
             "fp32_gelu_gflops": 200.0, "fp32_onednn_gelu_gflops": onednn_gflops,
             "fp32_onednn_gelu_apart_gflops": apart_gflops, "bf16_ok": True,
             "amx_traps": False})
         cfg = EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu")
-        return Embedder(cfg, [PoolerSpec(name=pooler)])
+        with monkeypatch.context() as patch:
+            if not fuse:
+                patch.setattr(pipeline.fused_bert, "fusable", lambda config, device: False)
+            return Embedder(cfg, [PoolerSpec(name="mean")])
 
     def kernels(onednn_gflops: float) -> tuple[str, str]:
-        """(the fused forward's fp32 kernel, that of a model that keeps its own forward: here
-        its attention weights are pooled)"""
-        fused, own = embedder(onednn_gflops), embedder(onednn_gflops, pooler="attention")
+        """(the fused forward's fp32 kernel, that of a model that keeps its own forward)"""
+        fused, own = embedder(onednn_gflops), embedder(onednn_gflops, fuse=False)
         assert fused.encoder.fused and not own.encoder.fused
         turned = any(isinstance(m, PackedLinear) for m in own.encoder.model.modules())
         assert turned == (own.encoder.fp32_kernel == "onednn")  # packed once fp32 was chosen

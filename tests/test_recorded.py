@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from _st_models import PROMPTS, Variant, save_variant
 
+from pipeline import fused_bert
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.models import loader, recorded
@@ -100,10 +101,11 @@ def test_a_model_trusted_to_run_its_code_is_never_recorded(tiny_model_dir: Path,
 def test_a_non_fused_model_gets_transformers_config_from_a_record(
     tiny_model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(fused_bert, "fusable", lambda config, device: False)
     first = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu"),
-                     [PoolerSpec(name="attention")])  # transformers' eager model
+                     [PoolerSpec(name="mean")])  # transformers' model
     again = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu"),
-                     [PoolerSpec(name="attention")])
+                     [PoolerSpec(name="mean")])
     assert not again.encoder.fused
     assert not isinstance(again.encoder.model.config, recorded.RecordedConfig)
     np.testing.assert_array_equal(again.encode(TEXTS), first.encode(TEXTS))
