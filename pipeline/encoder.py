@@ -98,8 +98,6 @@ class Encoder:
         self.cfg = cfg
         self.files = loader.read_model_files(cfg.model)
         loader.refuse_remote_code(self.files, cfg.trust_remote_code)
-        if cfg.dtype == INT8:  # before the model loads
-            check_int8(need_attention)
         self.folder = self.files.folder
         self.files_hash = self.files.model_hash()  # walks and stats the model's files: once
         self.device = choose_device(cfg.device)
@@ -113,6 +111,7 @@ class Encoder:
             config, self.tokenizer = recorded.load(self.files, self.files_hash,
                                                    self.cfg.trust_remote_code)
             self.int8_kernel = self._int8_kernel(config)
+            check_int8(self.int8_kernel, need_attention)  # before the weights load
             self.fused_forward = self._fused_forward(config)
             self.fp32_kernel = self._fp32_kernel()
             self.model = self._load_model(config, need_attention)

@@ -50,12 +50,14 @@ ORT_BERT_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})  # ORT's BERT fus
 SCHEME = "fixed-input-scales"  # in the cache key: a file of the per-batch scheme is not reused
 
 
-def check_int8(need_attention: bool) -> None:
-    """Before the model loads: a one-line ConfigError where int8 cannot run this job (the
-    attention pooler: neither int8 kernel gives attention weights)."""
-    if need_attention:
+def check_int8(kernel: str | None, need_attention: bool) -> None:
+    """Before the weights load: a one-line ConfigError where int8 through ``kernel`` (None:
+    not int8) cannot run this job (the attention pooler through ONNX Runtime, which gives no
+    attention weights; the fused forward's oneDNN int8 path computes them)."""
+    if kernel == "onnxruntime" and need_attention:
         raise ConfigError("the attention pooler needs the model's attention weights, which "
-                          "dtype int8 does not give: use fp32")
+                          "dtype int8 through ONNX Runtime does not give: use fp32, or "
+                          "int8_kernel onednn where it runs")
 
 
 def check_onnxruntime() -> None:

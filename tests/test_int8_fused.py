@@ -156,6 +156,20 @@ def test_int8_fused_gives_every_layer_to_layer_poolers(tiny_model_dir: Path, cac
 
 
 @needs_int8
+def test_int8_fused_gives_the_attention_pooler_its_weights(tiny_model_dir: Path, cache: Path
+                                                           ) -> None:
+    """The fused int8 forward computes the first token's attention weights as its fp32 one
+    does: the attention set close to fp32's, a set of its own (ONNX Runtime's int8 refuses
+    the pooler: tests/test_quantize.py)."""
+    spec = PoolerSpec(name="attention")
+    fp32, int8 = (embedder(tiny_model_dir, dtype, spec) for dtype in ("fp32", "int8"))
+    assert int8.encoder.int8_kernel == "onednn" and int8.encoder.fused
+    cosine = row_cosines(fp32.encode(TEXTS), int8.encode(TEXTS))
+    assert cosine.min() > 0.95
+    assert int8.fingerprint("attention") != fp32.fingerprint("attention")
+
+
+@needs_int8
 @pytest.mark.parametrize("kind", ["mpnet", "distilbert", "electra"])
 def test_int8_runs_fused_for_the_other_architectures_it_fuses(
     kind: str, tmp_path: Path, cache: Path
