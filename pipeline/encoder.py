@@ -30,7 +30,7 @@ from pipeline.models.similarity import DEFAULT as DEFAULT_SIMILARITY
 from pipeline.models.similarity import Similarity
 from pipeline.onednn import pack_linears, packs, product_rows
 from pipeline.precision import CALIBRATION_TEXTS, DtypeCheck, choose_device, choose_dtype
-from pipeline.quantize import INT8, OnnxInt8Model, check_int8, check_onnxruntime
+from pipeline.quantize import INT8, OnnxInt8Model, check_onnx_int8, check_onnxruntime
 from pipeline.token_rows import TokenRows, pad_rows
 from pipeline.tokenize_pool import MIN_TEXTS, TokenizerPool, pool_workers
 
@@ -110,8 +110,7 @@ class Encoder:
         try:
             config, self.tokenizer = recorded.load(self.files, self.files_hash,
                                                    self.cfg.trust_remote_code)
-            self.int8_kernel = self._int8_kernel(config)
-            check_int8(self.int8_kernel, need_attention)  # before the weights load
+            self.int8_kernel = self._int8_kernel(config, need_attention)
             self.fused_forward = self._fused_forward(config)
             self.fp32_kernel = self._fp32_kernel()
             self.model = self._load_model(config, need_attention)
@@ -196,11 +195,12 @@ class Encoder:
         """Whether a fused forward (``fused_forward``) runs the model."""
         return self.fused_forward is not None
 
-    def _int8_kernel(self, config: recorded.ModelConfig) -> str | None:
+    def _int8_kernel(self, config: recorded.ModelConfig, need_attention: bool) -> str | None:
         """Where ``dtype int8`` runs (None for any other dtype): the job's ``int8_kernel``, or
         for ``auto`` ``onednn`` where the fused forward runs this model and oneDNN's int8
         product and bf16 run natively here (see ``pipeline.int8_linear``), else
-        ``onnxruntime`` (``pipeline.quantize``)."""
+        ``onnxruntime`` (``pipeline.quantize``), which refuses the attention pooler
+        (``need_attention``) before asking for ONNX Runtime itself."""
         from pipeline.fused import fused_forward
         from pipeline.int8_linear import onednn_int8_available
 
@@ -219,6 +219,7 @@ class Encoder:
                 return "onednn"
             if wanted == "onednn":
                 raise ConfigError(f"int8_kernel onednn cannot run here: {why}")
+        check_onnx_int8(need_attention)
         check_onnxruntime()
         return "onnxruntime"
 

@@ -564,7 +564,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 
 def first_weights(weights: list[torch.Tensor] | None, layout: Layout) -> torch.Tensor | None:
     """The runs' first-token attention weights (``ProductLayer._attend``: flat, run by run, as
-    the stream holds their tokens) as the padded batch's [rows, width], zeros at padding."""
+    the stream holds their tokens) as the padded batch's [rows, width]: zero at masked keys,
+    as transformers' are (a row without real tokens, padded, spreads them evenly, as there;
+    unpadded it holds no token and gets zeros)."""
     if weights is None:
         return None
     flat = torch.cat(weights) if weights else torch.zeros(0)

@@ -50,11 +50,11 @@ ORT_BERT_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})  # ORT's BERT fus
 SCHEME = "fixed-input-scales"  # in the cache key: a file of the per-batch scheme is not reused
 
 
-def check_int8(kernel: str | None, need_attention: bool) -> None:
-    """Before the weights load: a one-line ConfigError where int8 through ``kernel`` (None:
-    not int8) cannot run this job (the attention pooler through ONNX Runtime, which gives no
-    attention weights; the fused forward's oneDNN int8 path computes them)."""
-    if kernel == "onnxruntime" and need_attention:
+def check_onnx_int8(need_attention: bool) -> None:
+    """Before int8 through ONNX Runtime is chosen: a one-line ConfigError where it cannot run
+    this job (the attention pooler: ONNX Runtime's graph gives no attention weights; the fused
+    forward's oneDNN int8 path computes them)."""
+    if need_attention:
         raise ConfigError("the attention pooler needs the model's attention weights, which "
                           "dtype int8 through ONNX Runtime does not give: use fp32, or "
                           "int8_kernel onednn where it runs")
@@ -80,7 +80,7 @@ class OnnxInt8Model:
     def __init__(self, model: torch.nn.Module, model_hash: str, token_types: bool,
                  calibration: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``model``: loaded with eager attention (SDPA's mask shortcuts do not export), after
-        ``check_int8``; ``calibration``: the (ids, mask) batches that fix the products' input
+        ``check_onnx_int8``; ``calibration``: the (ids, mask) batches that fix the products' input
         scales when the int8 file is built (``pipeline.int8_linear.calibration_batches``)."""
         self.config = model.config
         self._model = model

@@ -90,8 +90,14 @@ def test_int8_gives_every_layer_to_layer_poolers(tiny_model_dir: Path, cache: Pa
     assert len(list(cache.glob("*.onnx"))) == 1  # only the session with hidden states was built
 
 
-def test_int8_refuses_the_attention_pooler(tiny_model_dir: Path, cache: Path) -> None:
+def test_int8_refuses_the_attention_pooler(tiny_model_dir: Path, cache: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime's int8 gives no attention weights: refused, and before asking for ONNX
+    Runtime to be installed (which would not help)."""
     with pytest.raises(ConfigError, match="attention pooler needs"):
+        _embedder(tiny_model_dir, "int8", PoolerSpec(name="attention"))
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match="through ONNX Runtime does not give"):
         _embedder(tiny_model_dir, "int8", PoolerSpec(name="attention"))
 
 
