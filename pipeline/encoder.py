@@ -404,8 +404,10 @@ class Encoder:
     ) -> TokenStates:
         """Run the model once; return the requested layers in float32. ``first_token_only``
         (the last layer alone requested, read at each row's first token): where the fused
-        forward runs the model uncompiled, that layer comes back as [rows, 1, hidden],
-        computed there alone (``FusedEncoder.forward``); else whole."""
+        forward runs the model, that layer comes back as [rows, 1, hidden], computed there
+        alone (``FusedEncoder.forward``); else whole. ``attention``: the last layer's attention
+        from each row's first token, from the fused forward's ``first_token_attention`` or
+        transformers' attention probabilities."""
         rows = ids.shape[0]
         if self.compiled:  # as the graph's guards expect (else a recompile): inference
             # tensors made here, and two rows or more (it would specialise on one)
@@ -419,11 +421,8 @@ class Encoder:
         if self.uses_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         need_all = layers != {self.num_layers}
-        if first_token_only and not self.compiled and getattr(self.model, "FIRST_TOKEN_ONLY",
-                                                              False):
-            inputs["first_token_only"] = True
-        if attention and self.fused:  # the first token's weights alone, from its last layer
-            inputs["first_token_attention"] = True
+        if self.fused:  # it computes what the poolers read of the last layer, no more
+            inputs |= {"first_token_only": first_token_only, "first_token_attention": attention}
         with _autocast(self.device, self.dtype), self._attention_kernels(ids.shape[1]):
             out = self.model(**inputs, output_hidden_states=need_all,
                              output_attentions=attention and not self.fused)

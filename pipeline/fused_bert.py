@@ -329,7 +329,6 @@ class FusedEncoder(torch.nn.Module):
 
     ARCHITECTURE: str  # in messages
     INT8 = False  # has an int8 path (``to_int8``)
-    FIRST_TOKEN_ONLY = False  # its layers compute the first tokens alone (their ``first``)
     layers: torch.nn.ModuleList  # of ``ProductLayer``
 
     def __init__(self, config: ModelConfig) -> None:
@@ -373,7 +372,7 @@ class FusedEncoder(torch.nn.Module):
         (``layer_inputs``), written in place where no state is kept, the last one through
         ``final``; the states as transformers gives them, fp32 (zeros at the padding where
         the stream held the real tokens alone), each layer's padded when read
-        (``PaddedStates``). ``first_token_only`` (where ``FIRST_TOKEN_ONLY``): the last layer
+        (``PaddedStates``). ``first_token_only``: the last layer
         at each row's first token alone, [rows, 1, hidden]; its queries, attention output and
         feed-forward over one token a row instead of all (a [CLS] pooler reads no more).
         ``first_token_attention``: the last layer's attention from each row's first token,
@@ -383,9 +382,9 @@ class FusedEncoder(torch.nn.Module):
             raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes no attention "
                              "weights but the first token's (first_token_attention); use "
                              "the model's own")
-        if first_token_only and (output_hidden_states or not self.FIRST_TOKEN_ONLY):
+        if first_token_only and output_hidden_states:
             raise ValueError(f"{self.ARCHITECTURE}'s fused forward computes the first tokens "
-                             "alone only where it keeps no hidden states and its layers can")
+                             "alone only where it keeps no hidden states")
         dtype = self.forward_dtype()
         layout = self.layout(attention_mask, dtype)
         with torch.autocast("cpu", enabled=False):
@@ -470,7 +469,7 @@ class FusedEncoder(torch.nn.Module):
 class FusedBert(FusedEncoder):
     """A BERT-family encoder with a fused forward (``bert_family.weight_shapes``)."""
 
-    ARCHITECTURE, INT8, FIRST_TOKEN_ONLY = "BERT-family", True, True
+    ARCHITECTURE, INT8 = "BERT-family", True
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
                  onednn_fp32: bool) -> None:

@@ -165,12 +165,12 @@ class ModernLayer(ProductLayer):
 
     PRODUCTS = ("qkv", "out_proj", "up", "gate", "down")
 
-    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], first: bool,
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], first_layer: bool,
                  onednn_fp32: bool) -> None:
         super().__init__()
         d = dims(config)
         self.heads, self.gelu, self.onednn_fp32 = d.heads, GELU[d.activation], onednn_fp32
-        self.attn_norm = None if first else layer_norm_from(state, "attn_norm", d.eps)
+        self.attn_norm = None if first_layer else layer_norm_from(state, "attn_norm", d.eps)
         self.qkv, self.out_proj = _qkv(state, d), linear_from(state, "attn.Wo")
         self.mlp_norm = layer_norm_from(state, "mlp_norm", d.eps)
         self.up, self.gate = _halves(linear_from(state, "mlp.Wi"))
@@ -203,7 +203,7 @@ class ModernLayer(ProductLayer):
 class FusedModernBert(FusedEncoder):
     """A ModernBERT with a fused forward (``weight_shapes``)."""
 
-    ARCHITECTURE, FIRST_TOKEN_ONLY = "ModernBERT", True
+    ARCHITECTURE = "ModernBERT"
 
     def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor],
                  onednn_fp32: bool) -> None:
