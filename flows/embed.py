@@ -123,7 +123,7 @@ def _bar(plan: RunPlan, progress: bool) -> Any:
 
 def _run(job: dict, verify: bool, progress: bool) -> dict:
     started = time.perf_counter()
-    spec = resolve_job(job)  # EMBEDPIPE_* / EMBEDPIPE_CONFIG: defaults of this installation
+    spec = resolve_job(job, incremental=verify)  # EMBEDPIPE_*: this installation's defaults
     say = phase_printer(progress)
     say(f"scanning corpus {spec.corpus}")
 

@@ -29,10 +29,13 @@ name is the built-in pooler of that name with defaults.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.config import EmbedJob, EncoderConfig, load_toml, parse
+from pipeline.config import EmbedJob, EncoderConfig, PoolerSpec, load_toml, parse
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.sets import SetMeta
 
 ENCODER_OPTIONS = ("model", "device", "dtype", "int8_kernel", "max_length", "compile")
 WINDOW_OPTIONS = {"window": "size", "stride": "stride", "window_agg": "agg"}
@@ -72,15 +75,69 @@ def job_params(job: EmbedJob) -> dict:
     return job.model_dump(mode="json", exclude_unset=True)
 
 
-def resolve_job(params: dict) -> EmbedJob:
+def resolve_job(params: dict, incremental: bool = False) -> EmbedJob:
     """Flow parameters as a run sees them: this installation's ``EMBEDPIPE_*`` settings (and
     ``EMBEDPIPE_CONFIG``) fill what the job leaves out, and file-given values that other modules
-    read from the environment are exported."""
+    read from the environment are exported. ``incremental``: the nightly run's job, which keeps
+    OUT's sets current where it names none (``keep_sets_current``)."""
     from pipeline.settings import load_settings
 
     settings = load_settings()
     settings.export_env()
-    return parse(EmbedJob, settings.apply_to_job(params), "embedding job")
+    job = parse(EmbedJob, settings.apply_to_job(params), "embedding job")
+    return keep_sets_current(job) if incremental else job
+
+
+def keep_sets_current(job: EmbedJob) -> EmbedJob:
+    """An incremental job that names no pooler keeps every set already in OUT current, each
+    with the pooler it was made with, and, naming no model, with the encoder that made them
+    (options it does give, such as the device, stay as given): a set backfilled after the
+    nightly run was scheduled is kept current too, and no default set is started beside them.
+    An OUT without sets gets the model's default set, as ``embed`` does.
+
+    Sets are taken only where ``_SET.json`` alone says how to make them again: a learned set's
+    head path is not taken from a file in OUT, and sets of different encoders cannot share
+    one run; either fails in one line asking for the sets by name."""
+    from pipeline.sets import SetFolder, list_sets
+
+    if "poolers" in job.model_fields_set:
+        return job
+    metas = [SetFolder(job.out, name).meta() for name in list_sets(job.out)]
+    if not metas:
+        return job
+    params = job.model_dump(mode="json", exclude_unset=True)
+    params["poolers"] = [_stored_pooler(job.out, meta) for meta in metas]
+    encoder = _one_encoder(job.out, metas)
+    if "model" not in job.encoder.model_fields_set:
+        encoder.pop("trust_remote_code", None)  # never taken from a file, only from the job
+        params["encoder"] = encoder | params.get("encoder", {})
+    return parse(EmbedJob, params, f"incremental job keeping the sets of {job.out} current")
+
+
+def _stored_pooler(out: str, meta: SetMeta) -> dict:
+    """The pooler spec a set's ``_SET.json`` records, checked as a job's would be."""
+    where = f"set {meta.name!r} in {out}"
+    spec = parse(PoolerSpec, meta.pooler | {"name": meta.name}, f"pooler recorded by {where}")
+    if spec.head is not None:
+        raise ConfigError(f"{where} pools with a learned head, whose path is never taken from "
+                          "OUT's files: name the sets to keep current (--pooler, [[poolers]] "
+                          "with its head)")
+    return spec.model_dump(mode="json")
+
+
+def _one_encoder(out: str, metas: Sequence[SetMeta]) -> dict:
+    """The encoder options that made every set of ``metas``; sets whose vectors come from
+    other model files, lengths or windows cannot be kept current by one run."""
+    made = {}
+    for meta in metas:
+        made.setdefault((meta.model_hash, meta.max_length, str(meta.window)), []).append(meta)
+    if len(made) > 1:
+        groups = "; ".join(f"{', '.join(m.name for m in group)}: {group[0].model} "
+                           f"(max length {group[0].max_length}, window {group[0].window})"
+                           for group in made.values())
+        raise ConfigError(f"the sets in {out} were made by different encoders ({groups}); "
+                          "name the sets to keep current (--pooler, [[poolers]])")
+    return dict(metas[0].encoder)
 
 
 def inherit_encoder(job: dict) -> dict:

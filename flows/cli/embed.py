@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     embed.add_argument("--index", action="store_true",
                        help="then catch up each set's index, in the same flow run")
     embed.add_argument("--incremental", action="store_true",
-                       help="re-read every shard, embed only new or changed rows (nightly)")
+                       help="re-read every shard, embed only new or changed rows (nightly); "
+                       "naming no pooler, into every set already in OUT")
     _json_arg(embed)
     embed.set_defaults(func=run_embed)
     backfill = subparsers.add_parser("backfill", help="add pooler sets to an existing OUT")

@@ -1,0 +1,96 @@
+"""An incremental run that names no pooler keeps every set already in OUT current
+(``pipeline.assembly.keep_sets_current``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _flowkit import job, out_digest, read_set, run_library, same_vectors, text_for, write_corpus
+
+from flows.embed import backfill_flow, embed_flow, nightly_flow
+from pipeline.assembly import keep_sets_current, resolve_job
+from pipeline.config import EmbedJob, parse
+from pipeline.errors import ConfigError
+from pipeline.run import needs_model
+from pipeline.sets import META_FILE, list_sets
+
+CLS = {"name": "cls", "layers": [-1, -2]}
+
+
+def _unnamed(params: dict) -> dict:
+    """``params`` naming no pooler and no model (the device and dtype still given)."""
+    return {k: v for k, v in params.items() if k != "poolers"} | {
+        "encoder": {"dtype": "fp32", "device": "cpu"}}
+
+
+def _corpus(path: Path, rows: int) -> Path:
+    return write_corpus(path, list(range(rows)), [text_for(i) for i in range(rows)])
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_nightly_run_keeps_a_backfilled_set_current(tmp_path: Path, tiny_model_dir: Path):
+    corpus, out = _corpus(tmp_path / "c" / "a.parquet", 30), tmp_path / "out"
+    embed_flow(job(corpus, out, tiny_model_dir, poolers=[CLS]))
+    backfill_flow(job(corpus, out, tiny_model_dir, poolers=[{"name": "max"}]))
+    _corpus(corpus, 45)  # the corpus grows
+
+    nightly = _unnamed(job(corpus, out, tiny_model_dir))
+    summary = nightly_flow(nightly)
+    assert summary["sets"] == ["cls", "max"] and summary["embedded"] == 15
+    assert list_sets(str(out)) == ["cls", "max"]  # no default `mean` set started beside them
+    fresh = tmp_path / "fresh"
+    embed_flow(job(corpus, fresh, tiny_model_dir, poolers=[CLS, {"name": "max"}]))
+    for name in ("cls", "max"):
+        assert same_vectors(read_set(out, name), read_set(fresh, name), atol=1e-5)
+
+    # nothing new: planned from the sets' own job keys, without loading the model
+    assert not needs_model(resolve_job(nightly, incremental=True))
+    before = out_digest(out)
+    assert nightly_flow(nightly)["embedded"] == 0
+    assert out_digest(out) == before
+
+
+def test_a_job_naming_sets_or_an_out_without_sets_is_left_as_it_is(tmp_path: Path,
+                                                                   tiny_model_dir: Path):
+    corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
+    empty = parse(EmbedJob, _unnamed(job(corpus, out, tiny_model_dir)), "job")
+    assert keep_sets_current(empty) is empty  # a first run: the model's default set
+    run_library(job(corpus, out, tiny_model_dir, poolers=[CLS, {"name": "max"}]))
+    named = parse(EmbedJob, job(corpus, out, tiny_model_dir, poolers=[{"name": "max"}]), "job")
+    assert keep_sets_current(named) is named
+    kept = keep_sets_current(parse(EmbedJob, _unnamed(job(corpus, out, tiny_model_dir)), "job"))
+    assert [p.name for p in kept.poolers] == ["cls", "max"]
+    assert kept.poolers[0].layers == (-1, -2)
+    assert kept.encoder.model == str(tiny_model_dir) and kept.encoder.device == "cpu"
+
+
+def test_sets_of_different_encoders_are_asked_for_by_name(tmp_path: Path, tiny_model_dir: Path):
+    corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
+    run_library(job(corpus, out, tiny_model_dir, poolers=[{"name": "max"}]))
+    short = job(corpus, out, tiny_model_dir, poolers=[CLS])
+    short["encoder"] = short["encoder"] | {"max_length": 8}
+    run_library(short)
+    unnamed = parse(EmbedJob, _unnamed(short), "job")
+    with pytest.raises(ConfigError, match=r"made by different encoders \(cls: .*max length 8"):
+        keep_sets_current(unnamed)
+    with pytest.raises(ConfigError, match="different encoders"):  # a model given: still refused
+        keep_sets_current(parse(EmbedJob, {k: v for k, v in short.items() if k != "poolers"},
+                                "job"))
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"strategy": "learned", "head": "/elsewhere/head"}, "learned head, whose path is never"),
+    ({"layers": []}, "pooler recorded by set 'max'.*layers"),
+])
+def test_a_stored_pooler_is_checked_before_it_is_run(tmp_path: Path, tiny_model_dir: Path,
+                                                     change: dict, error: str):
+    corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
+    run_library(job(corpus, out, tiny_model_dir, poolers=[{"name": "max"}]))
+    meta_file = out / "sets" / "max" / META_FILE
+    meta = json.loads(meta_file.read_text())
+    meta["pooler"] |= change
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=error):
+        keep_sets_current(parse(EmbedJob, _unnamed(job(corpus, out, tiny_model_dir)), "job"))
