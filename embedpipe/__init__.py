@@ -61,7 +61,7 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
 
         run = nightly_flow if incremental else embed_flow
     params = job_params(job)
-    _load_model_while_the_api_starts(params, incremental)
+    _load_model_while_the_api_starts(params)
     with _orchestration():
         return run(params, progress=progress)
 
@@ -132,7 +132,7 @@ def read_set(out: str, name: str) -> pl.LazyFrame:
     return scan_set(out, name)
 
 
-def _load_model_while_the_api_starts(params: dict, incremental: bool = False) -> None:
+def _load_model_while_the_api_starts(params: dict) -> None:
     """When the flow's start will wait for an API server to boot (the local one not running,
     or Prefect's temporary one) and the run will load the model anyway (a set to create or
     claim), load it meanwhile: the flow finds it loaded. A cold server start with 3,300
@@ -144,7 +144,7 @@ def _load_model_while_the_api_starts(params: dict, incremental: bool = False) ->
 
     if api_is_up():
         return
-    spec = resolve_job(params, incremental)  # the job exactly as the flow will see it
+    spec = resolve_job(params)  # the job exactly as the flow will see it
     if needs_model(spec):
         from pipeline.embedder import preload
 

@@ -121,9 +121,9 @@ def _bar(plan: RunPlan, progress: bool) -> Any:
     return tqdm(total=plan.rows_todo, unit="rows", unit_scale=True, desc="embed", file=sys.stderr)
 
 
-def _run(job: dict, verify: bool, progress: bool) -> dict:
+def _run(job: dict, verify: bool, progress: bool, keep_current: bool = True) -> dict:
     started = time.perf_counter()
-    spec = resolve_job(job, incremental=verify)  # EMBEDPIPE_*: this installation's defaults
+    spec = resolve_job(job, keep_current)  # EMBEDPIPE_*: this installation's defaults
     say = phase_printer(progress)
     say(f"scanning corpus {spec.corpus}")
 
@@ -171,7 +171,7 @@ def backfill_flow(job: dict, progress: bool = False) -> dict:
     """Add the job's sets to an OUT that already has sets, leaving the existing ones alone.
 
     A job naming no model takes the encoder of the sets already there."""
-    return _run(inherit_encoder(job), verify=False, progress=progress)
+    return _run(inherit_encoder(job), verify=False, progress=progress, keep_current=False)
 
 
 @flow(name="nightly")

@@ -75,43 +75,49 @@ def job_params(job: EmbedJob) -> dict:
     return job.model_dump(mode="json", exclude_unset=True)
 
 
-def resolve_job(params: dict, incremental: bool = False) -> EmbedJob:
+def resolve_job(params: dict, keep_current: bool = True) -> EmbedJob:
     """Flow parameters as a run sees them: this installation's ``EMBEDPIPE_*`` settings (and
     ``EMBEDPIPE_CONFIG``) fill what the job leaves out, and file-given values that other modules
-    read from the environment are exported. ``incremental``: the nightly run's job, which keeps
-    OUT's sets current where it names none (``keep_sets_current``)."""
+    read from the environment are exported. ``keep_current`` (every run but a backfill, which
+    names the sets it adds): a job naming no pooler works on OUT's sets
+    (``keep_sets_current``)."""
     from pipeline.settings import load_settings
 
     settings = load_settings()
     settings.export_env()
     job = parse(EmbedJob, settings.apply_to_job(params), "embedding job")
-    return keep_sets_current(job) if incremental else job
+    return keep_sets_current(job) if keep_current else job
 
 
 def keep_sets_current(job: EmbedJob) -> EmbedJob:
-    """An incremental job that names no pooler keeps every set already in OUT current, each
-    with the pooler it was made with, and, naming no model, with the encoder that made them
-    (options it does give, such as the device, stay as given): a set backfilled after the
-    nightly run was scheduled is kept current too, and no default set is started beside them.
-    An OUT without sets gets the model's default set, as ``embed`` does.
+    """A job that names no pooler works on every set already in OUT: each with the pooler it
+    was made with and, naming no model, with the encoder that made them (options it does give,
+    such as the device, stay as given). So the nightly run keeps a set backfilled after it was
+    scheduled current too, a rerun resumes the sets it finds, and neither starts the model's
+    default set beside them; an OUT without sets gets that default set.
 
     Sets are taken only where ``_SET.json`` alone says how to make them again: a learned set's
     head path is not taken from a file in OUT, and sets of different encoders cannot share
     one run; either fails in one line asking for the sets by name."""
-    from pipeline.sets import SetFolder, list_sets
-
     if "poolers" in job.model_fields_set:
         return job
-    metas = [SetFolder(job.out, name).meta() for name in list_sets(job.out)]
+    metas = _stored_sets(job.out)
     if not metas:
         return job
     params = job.model_dump(mode="json", exclude_unset=True)
     params["poolers"] = [_stored_pooler(job.out, meta) for meta in metas]
-    encoder = _one_encoder(job.out, metas)
+    encoder = _one_encoder(job.out, metas, "name the sets to keep current (--pooler, "
+                                           "[[poolers]])")
     if "model" not in job.encoder.model_fields_set:
-        encoder.pop("trust_remote_code", None)  # never taken from a file, only from the job
         params["encoder"] = encoder | params.get("encoder", {})
-    return parse(EmbedJob, params, f"incremental job keeping the sets of {job.out} current")
+    return parse(EmbedJob, params, f"job keeping the sets of {job.out} current")
+
+
+def _stored_sets(out: str) -> list[SetMeta]:
+    """Every set's ``_SET.json`` in ``out``, by name."""
+    from pipeline.sets import SetFolder, list_sets
+
+    return [SetFolder(out, name).meta() for name in list_sets(out)]
 
 
 def _stored_pooler(out: str, meta: SetMeta) -> dict:
@@ -125,9 +131,10 @@ def _stored_pooler(out: str, meta: SetMeta) -> dict:
     return spec.model_dump(mode="json")
 
 
-def _one_encoder(out: str, metas: Sequence[SetMeta]) -> dict:
-    """The encoder options that made every set of ``metas``; sets whose vectors come from
-    other model files, lengths or windows cannot be kept current by one run."""
+def _one_encoder(out: str, metas: Sequence[SetMeta], ask: str) -> dict:
+    """The encoder options that made every set of ``metas`` (``trust_remote_code`` is never
+    taken from a file, only from the job); sets whose vectors come from other model files,
+    lengths or windows have none: the error ends by asking for what picks one (``ask``)."""
     made = {}
     for meta in metas:
         made.setdefault((meta.model_hash, meta.max_length, str(meta.window)), []).append(meta)
@@ -136,8 +143,8 @@ def _one_encoder(out: str, metas: Sequence[SetMeta]) -> dict:
                            f"(max length {group[0].max_length}, window {group[0].window})"
                            for group in made.values())
         raise ConfigError(f"the sets in {out} were made by different encoders ({groups}); "
-                          "name the sets to keep current (--pooler, [[poolers]])")
-    return dict(metas[0].encoder)
+                          f"{ask}")
+    return {k: v for k, v in metas[0].encoder.items() if k != "trust_remote_code"}
 
 
 def inherit_encoder(job: dict) -> dict:
@@ -145,17 +152,14 @@ def inherit_encoder(job: dict) -> dict:
 
     Encoder fields the job does set (device, dtype, ...) stay as given.
     """
-    from pipeline.sets import SetFolder, list_sets
-
     spec = parse(EmbedJob, job, "backfill job")
-    existing = list_sets(spec.out)
-    if not existing:
+    metas = _stored_sets(spec.out)
+    if not metas:
         raise ConfigError(f"{spec.out} has no sets to backfill next to; use `embedpipe embed`")
     given = dict(job.get("encoder") or {})
     if given.get("model") is not None:
         return job
-    encoder = SetFolder(spec.out, existing[0]).meta().encoder
-    encoder.pop("trust_remote_code", None)  # never taken from a file, only from the job's config
+    encoder = _one_encoder(spec.out, metas, "name the model to backfill with (--model)")
     return job | {"encoder": encoder | given}
 
 

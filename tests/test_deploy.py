@@ -384,6 +384,8 @@ def test_prefect_yaml_deployments():
         parse(EmbedJob, deployments[name]["parameters"]["job"], f"{name} parameters")
     # Nightly to live: incremental embed then index catch-up; the index deployment catches up.
     assert deployments["nightly"]["parameters"]["verify"] is True
+    # It names no pooler: every set in OUT is kept current, a backfilled one too.
+    assert "poolers" not in deployments["nightly"]["parameters"]["job"]
     assert deployments["index"]["parameters"]["rebuild"] is False
     # The backfill job names no model: the flow takes the existing sets' encoder.
     assert "encoder" not in deployments["backfill"]["parameters"]["job"]

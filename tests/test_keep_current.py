@@ -1,5 +1,5 @@
-"""An incremental run that names no pooler keeps every set already in OUT current
-(``pipeline.assembly.keep_sets_current``)."""
+"""A run that names no pooler works on every set already in OUT: the nightly run keeps them all
+current, a rerun resumes them (``pipeline.assembly.keep_sets_current``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from _flowkit import job, out_digest, read_set, run_library, same_vectors, text_for, write_corpus
 
 from flows.embed import backfill_flow, embed_flow, nightly_flow
-from pipeline.assembly import keep_sets_current, resolve_job
+from pipeline.assembly import inherit_encoder, keep_sets_current, resolve_job
 from pipeline.config import EmbedJob, parse
 from pipeline.errors import ConfigError
 from pipeline.run import needs_model
@@ -46,9 +46,11 @@ def test_the_nightly_run_keeps_a_backfilled_set_current(tmp_path: Path, tiny_mod
         assert same_vectors(read_set(out, name), read_set(fresh, name), atol=1e-5)
 
     # nothing new: planned from the sets' own job keys, without loading the model
-    assert not needs_model(resolve_job(nightly, incremental=True))
+    assert not needs_model(resolve_job(nightly))
     before = out_digest(out)
     assert nightly_flow(nightly)["embedded"] == 0
+    rerun = embed_flow(nightly)  # a plain rerun naming no set resumes OUT's sets: done
+    assert rerun["sets"] == ["cls", "max"] and rerun["shards_run"] == 0
     assert out_digest(out) == before
 
 
@@ -78,6 +80,9 @@ def test_sets_of_different_encoders_are_asked_for_by_name(tmp_path: Path, tiny_m
     with pytest.raises(ConfigError, match="different encoders"):  # a model given: still refused
         keep_sets_current(parse(EmbedJob, {k: v for k, v in short.items() if k != "poolers"},
                                 "job"))
+    # a backfill naming no model has no encoder to take either
+    with pytest.raises(ConfigError, match="different encoders.*name the model to backfill"):
+        inherit_encoder(_unnamed(short) | {"poolers": [{"name": "mean"}]})
 
 
 @pytest.mark.parametrize(("change", "error"), [

@@ -17,8 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     embed.add_argument("--index", action="store_true",
                        help="then catch up each set's index, in the same flow run")
     embed.add_argument("--incremental", action="store_true",
-                       help="re-read every shard, embed only new or changed rows (nightly); "
-                       "naming no pooler, into every set already in OUT")
+                       help="re-read every shard, embed only new or changed rows (nightly)")
     _json_arg(embed)
     embed.set_defaults(func=run_embed)
     backfill = subparsers.add_parser("backfill", help="add pooler sets to an existing OUT")
@@ -39,8 +38,8 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("out", help="output folder (local or s3://)")
     p.add_argument("--config", help="TOML file with [encoder], [[poolers]] and job options")
     p.add_argument("--pooler", action="append", required=pooler_required, metavar="NAME",
-                   help="pooler set to make (repeatable; default: model for a "
-                   "sentence-transformers folder, else mean)")
+                   help="pooler set to make (repeatable; default: every set already in OUT, "
+                   "else model for a sentence-transformers folder, else mean)")
     p.add_argument("--model", help="model folder or Hugging Face name (default: packaged MiniLM)")
     p.add_argument("--id-column", help="id column (default id)")
     p.add_argument("--text-column", help="text column (default text)")
