@@ -47,7 +47,7 @@ from bench.encode_bench import (  # noqa: E402
 )
 from bench.peak import matmul_peak  # noqa: E402
 from bench.speed import cpu_flags  # noqa: E402
-from pipeline import fused_bert  # noqa: E402
+from pipeline import attention as attention_kernels  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder  # noqa: E402
 from pipeline.fused_bert import ProductLayer  # noqa: E402
@@ -104,12 +104,12 @@ class ProductTimer(CallTimer):
 
 
 class AttentionTimer(CallTimer):
-    """Wraps ``fused_bert.attend`` (every fused forward's attention, any kernel): the seconds
-    each call took and its shape (rows, heads, queries, keys, head width), the keys those it
-    ran over (the bias's: masked keys appended, ``fused_bert.key_width``)."""
+    """Wraps ``pipeline.attention.attend`` (every fused forward's attention, any kernel): the
+    seconds each call took and its shape (rows, heads, queries, keys, head width), the keys
+    those it ran over (the bias's: masked keys appended, ``pipeline.attention.key_width``)."""
 
     def __init__(self) -> None:
-        super().__init__(fused_bert, "attend")
+        super().__init__(attention_kernels, "attend")
 
     def describe(self, q, k, v, bias, out=None, kernel=None) -> tuple:
         keys = k.shape[2] if bias is None else bias.shape[-1]

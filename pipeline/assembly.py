@@ -23,7 +23,8 @@ Config file (all keys optional; options win)::
     layers = [-1, -2, -3, -4]
 
 ``poolers`` picks sets: a name defined under ``[[poolers]]`` keeps its options, any other
-name is the built-in pooler of that name with defaults.
+name is the built-in pooler of that name with defaults; none picked, a run works on the sets
+already in OUT (``keep_sets_current``), or makes the model's default set in an OUT without.
 """
 
 from __future__ import annotations

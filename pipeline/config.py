@@ -134,7 +134,8 @@ class EmbedJob(_Strict):
     # left out: one set, the model's own (``model``) for a sentence-transformers folder,
     # ``mean`` for a plain Hugging Face encoder (pipeline.models.folder.default_set_name);
     # chosen for the final model and left unset, so a dump with exclude_unset chooses again
-    # once installation settings fill in the model
+    # once installation settings fill in the model; a run then takes the sets already in OUT
+    # instead where there are any (pipeline.assembly.keep_sets_current)
     poolers: tuple[PoolerSpec, ...] = ()
     id_column: str = "id"
     text_column: str = "text"

@@ -17,7 +17,7 @@ forward on summaries, 1.62x on texts of 374 tokens (one run; bench/RESULTS.md).
 ``FusedModernBert`` runs the same arithmetic as ``pipeline.fused_bert.FusedBert`` runs BERT's
 (``FusedEncoder``, ``ProductLayer``: packed products, their bias, GELU or residual add in
 oneDNN's epilogue, the batch's real tokens flat (``pipeline.token_layout``) over
-``product_rows`` rows; ``attend``'s kernels),
+``product_rows`` rows; ``pipeline.attention``'s kernels),
 plus:
 
 * the 1/sqrt(head) scale folded into the query rows of ``Wqkv`` once (the rotation is linear);
@@ -54,18 +54,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline import bert_family
+from pipeline.attention import attention_bias, key_width, masked_bias, masked_keys, query_width
 from pipeline.fused_bert import (
     GELU,
     FusedEncoder,
     ProductLayer,
-    attention_bias,
     frozen,
-    key_width,
     layer_norm_from,
     linear_from,
-    masked_bias,
-    masked_keys,
-    query_width,
     under,
 )
 from pipeline.token_layout import Layout, Run

@@ -29,7 +29,7 @@ bias).
 
 The fuser's switch is process-wide: it is turned on only around these calls, so a caller's own
 TorchScript models keep the executor they had. Where TorchScript or its oneDNN fuser is missing
-(``available``), ``pipeline.fused_bert.attend`` keeps its own way.
+(``available``), ``pipeline.attention.attend`` keeps its own way.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def available() -> bool:
 
 
 def runs(width: int) -> bool:
-    """Whether ``pipeline.fused_bert.attend`` hands attention over rows of ``width`` tokens
+    """Whether ``pipeline.attention.attend`` hands attention over rows of ``width`` tokens
     to ``graph_attention`` here: rows of at least ``MIN_KEYS``, on a CPU where ATen runs
     AVX-512 kernels, where it was measured faster (where AMX runs SDPA's kernel was faster
-    still: ``pipeline.fused_bert.attention_kernel``)."""
+    still: ``pipeline.attention.attention_kernel``)."""
     return width >= MIN_KEYS and _faster_here()
 
 
@@ -97,7 +97,7 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """softmax(q k^T + bias) v over [rows, heads, tokens, head] (q already scaled) as [rows,
     tokens, heads x head], written into ``out`` where given, through oneDNN Graph's fused
     kernel. ``bias``: [rows, 1, 1, ``key_width(tokens)``] in q's dtype, 0 or the dtype's most
-    negative value (its padded keys masked; ``pipeline.fused_bert.attention_bias`` builds it
+    negative value (its padded keys masked; ``pipeline.attention.attention_bias`` builds it
     once a forward), or [rows, heads, keys, keys] with MPNet's relative position bias added
     (the queries padded as the keys are), or None where no key is masked."""
     rows, heads, width, dim = q.shape

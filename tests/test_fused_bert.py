@@ -25,10 +25,11 @@ from transformers import (
     RobertaModel,
 )
 
-from pipeline import bert_family, fused_bert, graph_attention
+from pipeline import attention, bert_family, fused_bert, graph_attention
+from pipeline.attention import attend
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
-from pipeline.fused_bert import FusedBert, attend, fusable
+from pipeline.fused_bert import FusedBert, fusable
 from pipeline.models import recorded
 from pipeline.models.recorded import RecordedConfig
 from pipeline.onednn import PackedLinear, packs, product_rows
@@ -170,7 +171,7 @@ def test_mpnets_relative_position_bias_reaches_every_attention_kernel(
     bf16's rounding of them in bf16; with its bias zeroed they are not."""
     if kernel == "graph" and not graph_attention.available():
         pytest.skip("this torch has no oneDNN Graph fuser")
-    monkeypatch.setattr(fused_bert, "attention_kernel", lambda width, dtype: kernel)
+    monkeypatch.setattr(attention, "attention_kernel", lambda width, dtype: kernel)
     model = tiny("mpnet", max_position_embeddings=200)
     fused, packed = fp32_and_bf16(model)
     for rows, width, ids, mask in batches([(5, 23), (3, 40, False), (4, 100), (2, 5)]):
@@ -274,7 +275,7 @@ def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_toke
     """``first_token_only``: [rows, 1, hidden], each row's first token of the whole forward's
     last layer (rows of several lengths, padded or reordered by length where unpadded; a
     batch without padding), in fp32 and, packed, bf16."""
-    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
+    monkeypatch.setattr(attention, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
     fused, packed = fp32_and_bf16(tiny(kind, max_position_embeddings=200))
     for _, _, ids, mask in batches([(5, 23), (3, 40, False), (4, 100), (1, 7)]):
         assert_first_tokens_alone_are_the_whole_forwards([(fused, 2e-5), (packed, 3e-2)], ids,
@@ -291,7 +292,7 @@ def test_the_first_tokens_attention_is_the_models_own_attention_probabilities(
     first token averaged over heads, as transformers' eager attention gives it (MPNet's with
     its relative position bias), zeros at padding; the same beside ``first_token_only``;
     packed bf16 within its rounding."""
-    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
+    monkeypatch.setattr(attention, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
     model = tiny(kind, max_position_embeddings=200)
     model.set_attn_implementation("eager")
     fused, packed = fp32_and_bf16(model)
@@ -335,44 +336,44 @@ def test_a_cls_pooler_alone_takes_the_first_tokens_path_and_its_vectors(
 def test_attention_in_blocks_is_attention(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
     """fp32 attention is SDPA's; bf16 attention, in blocks of rows (no AMX), is SDPA's over the
     same (bf16) inputs within bf16's rounding, and the same bit for bit whatever the block."""
-    monkeypatch.setattr(fused_bert, "amx_here", lambda: False)
+    monkeypatch.setattr(attention, "amx_here", lambda: False)
     torch.manual_seed(0)
     half = [torch.randn(7, 3, width, 16).bfloat16() for _ in range(3)]
     q, k, v = (t.float() for t in half)
     _, mask = batch(rows=7, width=width)
     for case in (mask, torch.ones_like(mask)):
-        bias = fused_bert.attention_bias(case, torch.float32)
+        bias = attention.attention_bias(case, torch.float32)
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         want = want.transpose(1, 2).reshape(7, width, 3 * 16)  # [rows, tokens, heads x head]
         torch.testing.assert_close(attend(q, k, v, bias), want, atol=1e-5, rtol=1e-5)
-        bias = fused_bert.attention_bias(case, torch.bfloat16)
+        bias = attention.attention_bias(case, torch.bfloat16)
         whole = attend(*half, bias)
         assert whole.dtype == torch.bfloat16
         torch.testing.assert_close(whole.float(), want, atol=0.05, rtol=0.02)
         narrow = None if bias is None else bias[..., :width]  # no keys appended
         torch.testing.assert_close(attend(*half, narrow).float(), want, atol=0.05, rtol=0.02)
         with monkeypatch.context() as patched:  # 2 rows a block
-            patched.setattr(fused_bert, "SCORE_BLOCK_BYTES", 2 * 3 * width * 16 * 2)
+            patched.setattr(attention, "SCORE_BLOCK_BYTES", 2 * 3 * width * 16 * 2)
             torch.testing.assert_close(attend(*half, bias), whole, atol=0, rtol=0)
 
 
 def test_each_kernel_takes_the_widths_and_dtypes_it_was_measured_fastest_at(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_bert.graph_attention, "_faster_here", lambda: True)
-    monkeypatch.setattr(fused_bert, "amx_here", lambda: True)  # AMX runs
-    kernel = fused_bert.attention_kernel
-    narrow, wide = fused_bert.AMX_SDPA_MIN_KEYS - 1, fused_bert.graph_attention.MIN_KEYS
+    monkeypatch.setattr(attention.graph_attention, "_faster_here", lambda: True)
+    monkeypatch.setattr(attention, "amx_here", lambda: True)  # AMX runs
+    kernel = attention.attention_kernel
+    narrow, wide = attention.AMX_SDPA_MIN_KEYS - 1, attention.graph_attention.MIN_KEYS
     assert [kernel(w, torch.bfloat16) for w in (narrow, narrow + 1, wide)] == [
         "blocked", "sdpa", "sdpa"]
     assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "sdpa"]
-    assert fused_bert.key_width(wide + 1, torch.bfloat16) == wide + 1  # SDPA: no keys appended
-    assert fused_bert.query_width(wide + 1, torch.bfloat16) == wide + 1
-    monkeypatch.setattr(fused_bert, "amx_here", lambda: False)  # no AMX
+    assert attention.key_width(wide + 1, torch.bfloat16) == wide + 1  # SDPA: no keys appended
+    assert attention.query_width(wide + 1, torch.bfloat16) == wide + 1
+    monkeypatch.setattr(attention, "amx_here", lambda: False)  # no AMX
     assert [kernel(w, torch.bfloat16) for w in (narrow, wide)] == ["blocked", "graph"]
     assert [kernel(w, torch.float32) for w in (narrow, wide)] == ["sdpa", "graph"]
     padded = graph_attention.key_width(wide + 1)  # oneDNN Graph pads queries as it pads keys
-    assert fused_bert.query_width(wide + 1, torch.float32) == padded > wide + 1
-    assert fused_bert.query_width(narrow, torch.bfloat16) == narrow  # blocked: none padded
+    assert attention.query_width(wide + 1, torch.float32) == padded > wide + 1
+    assert attention.query_width(narrow, torch.bfloat16) == narrow  # blocked: none padded
 
 
 def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
@@ -380,7 +381,7 @@ def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
     """Whatever this CPU: SDPA's bf16 attention (what an AMX CPU runs) gives transformers'
     states within bf16's rounding, in every layer, and rows too narrow for it stay blocked:
     each run of rows of one length (``token_layout``) takes the kernel of its own width."""
-    monkeypatch.setattr(fused_bert, "amx_here", lambda: True)
+    monkeypatch.setattr(attention, "amx_here", lambda: True)
     model = tiny(max_position_embeddings=200)
     calls: list[int] = []
     sdpa = F.scaled_dot_product_attention
@@ -388,7 +389,7 @@ def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
     with torch.inference_mode():
         fused = FusedBert.from_model(model, onednn_fp32=True)
         fused.pack(torch.bfloat16)
-        for width in (fused_bert.AMX_SDPA_MIN_KEYS - 1, 150):
+        for width in (attention.AMX_SDPA_MIN_KEYS - 1, 150):
             ids, mask = batch(rows=6, width=width)
             mask[-1, 10:] = 0  # a narrow row beside wide ones
             ids = ids.masked_fill(mask == 0, 0)
@@ -400,7 +401,7 @@ def test_bf16_states_through_sdpa_where_amx_runs_match_the_models_own(
             cosine = F.cosine_similarity(real(got, mask), real(want, mask), dim=-1)
             assert cosine.min() > 0.999, width
             lengths = sorted(set(mask.sum(1).tolist()), reverse=True)
-            wide += [n for n in lengths if n >= fused_bert.AMX_SDPA_MIN_KEYS]
+            wide += [n for n in lengths if n >= attention.AMX_SDPA_MIN_KEYS]
     assert 150 in wide and 10 not in wide
     assert calls == wide * 3  # 3 layers
 
@@ -412,7 +413,7 @@ def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_pr
     the epilogue of the product it follows (two a layer, each forward); elsewhere, and in
     fp32, the stream stays fp32. Either way every layer's states come back fp32, close to
     transformers', and are kept only where asked for."""
-    monkeypatch.setattr(fused_bert, "amx_here", lambda: amx)
+    monkeypatch.setattr(attention, "amx_here", lambda: amx)
     model = tiny()
     ids, mask = batch(rows=8, width=40)
     fused = FusedBert.from_model(model, onednn_fp32=True)
@@ -446,15 +447,15 @@ def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_pr
 def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None:
     _, mask = batch(rows=7, width=19)
     for dtype in (torch.float32, torch.bfloat16):
-        bias = fused_bert.attention_bias(mask, dtype)
+        bias = attention.attention_bias(mask, dtype)
         assert bias.dtype == dtype and bias.shape == (7, 1, 1, 19)
         assert torch.isfinite(bias).all() and (bias[:, 0, 0][mask == 0] < -1e38).all()
         assert (bias[:, 0, 0][mask == 1] == 0).all()
     full = torch.ones(3, 5, dtype=torch.long)
-    assert fused_bert.attention_bias(torch.ones(3, 17, dtype=torch.long), torch.bfloat16) is None
-    assert fused_bert.attention_bias(full, torch.float32) is None  # SDPA: nothing to mask
-    short = fused_bert.attention_bias(full, torch.bfloat16)
-    assert short.shape == (3, 1, 1, fused_bert.MIN_KEYS)  # keys appended up to MIN_KEYS
+    assert attention.attention_bias(torch.ones(3, 17, dtype=torch.long), torch.bfloat16) is None
+    assert attention.attention_bias(full, torch.float32) is None  # SDPA: nothing to mask
+    short = attention.attention_bias(full, torch.bfloat16)
+    assert short.shape == (3, 1, 1, attention.MIN_KEYS)  # keys appended up to MIN_KEYS
     assert (short[..., :5] == 0).all() and (short[..., 5:] < -1e38).all()
 
 

@@ -15,7 +15,7 @@ from conftest import (
 )
 from transformers import ModernBertConfig, ModernBertModel
 
-from pipeline import fused_bert, graph_attention
+from pipeline import attention, fused_bert, graph_attention
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.encoder import batch_limits
@@ -103,7 +103,7 @@ def test_the_sliding_band_reaches_every_attention_kernel(monkeypatch: pytest.Mon
     here) within its rounding; without the band (every layer global) they are not."""
     if kernel == "graph" and not graph_attention.available():
         pytest.skip("this torch has no oneDNN Graph fuser")
-    monkeypatch.setattr(fused_bert, "attention_kernel", lambda width, dtype: kernel)
+    monkeypatch.setattr(attention, "attention_kernel", lambda width, dtype: kernel)
     model = tiny()
     fused, half = (FusedModernBert.from_model(model, onednn_fp32=True) for _ in range(2))
     half.pack(torch.bfloat16)
@@ -218,7 +218,7 @@ def test_the_last_layer_at_the_first_tokens_alone_is_the_whole_layers_first_toke
     the final LayerNorm), whether the last layer attends globally or within its band (rows
     wider than the band, rows within it; padded or reordered by length where unpadded), in
     fp32 and, packed, bf16."""
-    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
+    monkeypatch.setattr(attention, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
     model = tiny(num_hidden_layers=layers)
     assert model.config.layer_types[-1] == ("full_attention" if layers == 4
                                             else "sliding_attention")
@@ -236,7 +236,7 @@ def test_the_first_tokens_attention_is_the_models_own_attention_probabilities(
     """``first_token_attention``: each row's last-layer attention from its first token
     averaged over heads, as transformers' eager attention gives it, within the sliding band
     where the last layer slides (rows wider than the band), zeros at padding."""
-    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
+    monkeypatch.setattr(attention, "unpadded_below", lambda dtype: 1 << 30 if unpadded else 0)
     model = tiny(num_hidden_layers=layers)
     model.set_attn_implementation("eager")
     fused = FusedModernBert.from_model(model, onednn_fp32=True)

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import fused_bert, graph_attention
-from pipeline.fused_bert import FusedBert, attention_bias
+from pipeline import attention, graph_attention
+from pipeline.attention import attention_bias
+from pipeline.fused_bert import FusedBert
 from tests.test_fused_bert import batch, real, tiny
 
 pytestmark = pytest.mark.skipif(not graph_attention.available(),
@@ -50,7 +51,7 @@ def test_graph_attention_is_attention(width: int, rows: int) -> None:
         torch.testing.assert_close(got.float(), sdpa(q, k, v, bias), atol=0.05, rtol=0.02)
         # the same rounding as the blocked products it replaces (scores in bf16 both ways)
         blocked = torch.empty((rows, width, 4, 16), dtype=torch.bfloat16)
-        fused_bert._blocked_attention(q, k, v, bias, blocked)
+        attention._blocked_attention(q, k, v, bias, blocked)
         torch.testing.assert_close(got.float(), blocked.view_as(got).float(), atol=4e-3,
                                    rtol=0.02)
 
@@ -99,7 +100,7 @@ def test_the_fused_model_over_long_rows_matches_the_models_own(
     transformers' states in fp32, and bf16 states close to them (where AMX runs, both dtypes
     take SDPA instead: not here)."""
     monkeypatch.setattr(graph_attention, "_faster_here", lambda: True)
-    monkeypatch.setattr(fused_bert, "amx_here", lambda: False)
+    monkeypatch.setattr(attention, "amx_here", lambda: False)
     model = tiny(kind, max_position_embeddings=300)
     ids, mask = batch(rows=11, width=200)
     calls = []
@@ -126,7 +127,7 @@ def test_the_forwards_bias_is_built_for_the_kernels_keys(monkeypatch: pytest.Mon
                                                          ) -> None:
     """Once a forward, not once a layer: the bias already spans the kernel's padded keys."""
     monkeypatch.setattr(graph_attention, "_faster_here", lambda: True)
-    monkeypatch.setattr(fused_bert, "amx_here", lambda: False)
+    monkeypatch.setattr(attention, "amx_here", lambda: False)
     _, mask = batch(rows=3, width=150)
     bias = attention_bias(mask, torch.bfloat16)
     assert bias.shape == (3, 1, 1, graph_attention.key_width(150)) == (3, 1, 1, 160)

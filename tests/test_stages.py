@@ -86,12 +86,12 @@ def test_embedder_counts_the_token_rows_its_layers_ran_and_their_padding(
     the fused forward runs the batch unpadded, its real tokens alone."""
     from transformers import AutoTokenizer
 
-    from pipeline import fused_bert
+    from pipeline import attention
     from pipeline.config import EncoderConfig, PoolerSpec
     from pipeline.data import TextBatch
     from pipeline.embedder import Embedder
 
-    monkeypatch.setattr(fused_bert, "unpadded_below", lambda dtype: 0 if padded else 1 << 30)
+    monkeypatch.setattr(attention, "unpadded_below", lambda dtype: 0 if padded else 1 << 30)
     embedder = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu"),
                         [PoolerSpec(name="mean")])
     assert embedder.encoder.fused

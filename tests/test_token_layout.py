@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import fused_bert
+from pipeline import attention
 from pipeline.fused_bert import FusedBert
 from pipeline.token_layout import Layout, PaddedStates, Run
 from tests.test_fused_bert import batch, tiny
@@ -69,7 +69,7 @@ def test_a_rows_states_are_the_same_bit_for_bit_whatever_its_batch_mates(
     """A row of 20 tokens alone, beside rows of its length and beside rows of 40 and 70 (past
     the width where AMX's bf16 attention leaves the blocked products for SDPA, and the padded
     keys a wider batch would append): the same states, bit for bit."""
-    monkeypatch.setattr(fused_bert, "amx_here", lambda: amx)
+    monkeypatch.setattr(attention, "amx_here", lambda: amx)
     fused = FusedBert.from_model(tiny(max_position_embeddings=80), onednn_fp32=True)
     fused.pack(dtype)
     assert fused.unpadded_below() > 70
