@@ -43,10 +43,12 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
           progress: bool = False, **options: Any) -> dict:
     """Embed ``corpus`` into pooler sets under ``out``; resumes where an earlier run stopped.
 
-    ``incremental`` re-reads every shard and embeds only new or changed rows (the nightly
-    run); ``index`` then catches up each set's index in the same flow run. Returns the run
-    summary (``line`` is the one-line summary; with ``index``, ``index`` holds each set's
-    IndexResult as JSON).
+    ``poolers`` (or the ``config`` file's ``[[poolers]]``) names the sets; naming none, the run
+    works on every set already in ``out`` (``pipeline.assembly.keep_sets_current``), or makes
+    the model's default set in an ``out`` without sets. ``incremental`` re-reads every shard
+    and embeds only new or changed rows (the nightly run); ``index`` then catches up each
+    set's index in the same flow run. Returns the run summary (``line`` is the one-line
+    summary; with ``index``, ``index`` holds each set's IndexResult as JSON).
     """
     from pipeline.assembly import build_job, check_input, job_params
 
