@@ -107,8 +107,7 @@ def keep_sets_current(job: EmbedJob) -> EmbedJob:
         return job
     params = job.model_dump(mode="json", exclude_unset=True)
     params["poolers"] = [_stored_pooler(job.out, meta) for meta in metas]
-    encoder = _one_encoder(job.out, metas, "name the sets to keep current (--pooler, "
-                                           "[[poolers]])")
+    encoder = _one_encoder(job.out, metas, "name the sets to run (--pooler, [[poolers]])")
     if "model" not in job.encoder.model_fields_set:
         params["encoder"] = encoder | params.get("encoder", {})
     return parse(EmbedJob, params, f"job keeping the sets of {job.out} current")
@@ -127,8 +126,8 @@ def _stored_pooler(out: str, meta: SetMeta) -> dict:
     spec = parse(PoolerSpec, meta.pooler | {"name": meta.name}, f"pooler recorded by {where}")
     if spec.head is not None:
         raise ConfigError(f"{where} pools with a learned head, whose path is never taken from "
-                          "OUT's files: name the sets to keep current (--pooler, [[poolers]] "
-                          "with its head)")
+                          "OUT's files: name the sets to run (--pooler, [[poolers]] with "
+                          "its head)")
     return spec.model_dump(mode="json")
 
 
@@ -140,12 +139,18 @@ def _one_encoder(out: str, metas: Sequence[SetMeta], ask: str) -> dict:
     for meta in metas:
         made.setdefault((meta.model_hash, meta.max_length, str(meta.window)), []).append(meta)
     if len(made) > 1:
-        groups = "; ".join(f"{', '.join(m.name for m in group)}: {group[0].model} "
-                           f"(max length {group[0].max_length}, window {group[0].window})"
+        groups = "; ".join(f"{', '.join(m.name for m in group)}: {_encoder_words(group[0])}"
                            for group in made.values())
         raise ConfigError(f"the sets in {out} were made by different encoders ({groups}); "
                           f"{ask}")
     return {k: v for k, v in metas[0].encoder.items() if k != "trust_remote_code"}
+
+
+def _encoder_words(meta: SetMeta) -> str:
+    """What made a set's vectors, in a few words: model, max length, windows."""
+    window = meta.window or {}
+    windows = f", windows of {window.get('size')} every {window.get('stride')}" if window else ""
+    return f"{meta.model}, max length {meta.max_length}{windows}"
 
 
 def inherit_encoder(job: dict) -> dict:
@@ -160,7 +165,8 @@ def inherit_encoder(job: dict) -> dict:
     given = dict(job.get("encoder") or {})
     if given.get("model") is not None:
         return job
-    encoder = _one_encoder(spec.out, metas, "name the model to backfill with (--model)")
+    encoder = _one_encoder(spec.out, metas, "name the encoder to backfill with (--model "
+                                                 "and its options)")
     return job | {"encoder": encoder | given}
 
 

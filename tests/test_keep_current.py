@@ -71,18 +71,19 @@ def test_a_job_naming_sets_or_an_out_without_sets_is_left_as_it_is(tmp_path: Pat
 def test_sets_of_different_encoders_are_asked_for_by_name(tmp_path: Path, tiny_model_dir: Path):
     corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
     run_library(job(corpus, out, tiny_model_dir, poolers=[{"name": "max"}]))
-    short = job(corpus, out, tiny_model_dir, poolers=[CLS])
-    short["encoder"] = short["encoder"] | {"max_length": 8}
-    run_library(short)
-    unnamed = parse(EmbedJob, _unnamed(short), "job")
-    with pytest.raises(ConfigError, match=r"made by different encoders \(cls: .*max length 8"):
+    windowed = job(corpus, out, tiny_model_dir, poolers=[CLS])
+    windowed["encoder"] = windowed["encoder"] | {"window": {"size": 8, "stride": 4}}
+    run_library(windowed)
+    unnamed = parse(EmbedJob, _unnamed(windowed), "job")
+    with pytest.raises(ConfigError, match=r"different encoders \(cls: .*, windows of 8 every 4; "
+                                          r"max: .*\); name the sets to run"):
         keep_sets_current(unnamed)
     with pytest.raises(ConfigError, match="different encoders"):  # a model given: still refused
-        keep_sets_current(parse(EmbedJob, {k: v for k, v in short.items() if k != "poolers"},
+        keep_sets_current(parse(EmbedJob, {k: v for k, v in windowed.items() if k != "poolers"},
                                 "job"))
     # a backfill naming no model has no encoder to take either
-    with pytest.raises(ConfigError, match="different encoders.*name the model to backfill"):
-        inherit_encoder(_unnamed(short) | {"poolers": [{"name": "mean"}]})
+    with pytest.raises(ConfigError, match="different encoders.*name the encoder to backfill with"):
+        inherit_encoder(_unnamed(windowed) | {"poolers": [{"name": "mean"}]})
 
 
 @pytest.mark.parametrize(("change", "error"), [
