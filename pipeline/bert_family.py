@@ -125,8 +125,14 @@ def own_name(model_type: str, name: str) -> str:
         return name
     index, rest = name.removeprefix(_LAYERS).split(".", 1)
     part, kind = rest.rsplit(".", 1)
-    part = _OWN_PARTS.get(model_type, {}).get(part, part)
-    return f"{_OWN_LAYERS.get(model_type, _LAYERS)}{index}.{part}.{kind}"
+    return f"{own_part(model_type, int(index), part)}.{kind}"
+
+
+def own_part(model_type: str, index: int, part: str = "") -> str:
+    """The model's own name of layer ``index``'s ``part`` (BERT's name, e.g.
+    ``attention.self.query``; none: the layer itself)."""
+    layer = f"{_OWN_LAYERS.get(model_type, _LAYERS)}{index}"
+    return f"{layer}.{_OWN_PARTS.get(model_type, {}).get(part, part)}" if part else layer
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -3,9 +3,10 @@
 The model is loaded by ``pipeline.models.loader`` (a sentence-transformers folder as its
 modules say); the dtype is chosen by ``pipeline.precision``. The forward asks the model only
 for what the configured poolers need: earlier layers' hidden states when a pooler reads them,
-attention probabilities only for the attention pooler (the fused CPU forward computes the last
-layer's from the first token alone; transformers' model needs its eager attention kernel for
-them, everything else runs fused SDPA).
+the last layer's attention from each row's first token only for the attention pooler (the
+fused CPU forward computes them itself; beside transformers' SDPA forward
+``pipeline.first_token_attention`` computes them from the last layer's input; other models
+need their eager attention kernel for them, everything else runs fused SDPA).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pipeline import first_token_attention
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
+from pipeline.first_token_attention import FirstTokenAttention
 from pipeline.int8_linear import calibration_batches
 from pipeline.models import loader, recorded
 from pipeline.models.hashing import quantized_hash
@@ -124,6 +127,8 @@ class Encoder:
         self.sdpa_backends: str | list | None = "by_width" if self.device.type == "cuda" else None
         self.min_fill = MIN_FILL.get(self.device.type, MIN_FILL["cpu"])
         self.model.to(self.device)
+        if self.first_attention is not None:
+            self.first_attention.to(self.device)
         head = loader.load_head(self.files).to(self.device)
         self.parts = ModelParts(str(self.folder), self.files.pooling, head,
                                 self.files.sentence_transformers)
@@ -253,8 +258,11 @@ class Encoder:
         without transformers' model classes where the files allow; else transformers' model,
         its fp32 Linear layers through oneDNN where that kernel won."""
         trust = self.cfg.trust_remote_code
-        eager = need_attention or self.int8_kernel == "onnxruntime"
+        beside = need_attention and not self._handed_on and first_token_attention.supported(
+            config)  # the attention pooler's weights computed beside an SDPA forward
+        eager = (need_attention and not beside) or self.int8_kernel == "onnxruntime"
         onednn = self.fp32_kernel == "onednn"
+        self.first_attention: FirstTokenAttention | None = None
         if self.fused_forward is not None:
             wanted, base = self.fused_forward.checkpoint_weights(config)
             state = loader.read_fused_weights(self.files, wanted, base)
@@ -264,6 +272,8 @@ class Encoder:
             return self.fused_forward(config, state, onednn_fp32=onednn)
         config = loader.transformers_config(config, self.files, trust)
         model = loader.load_transformer(self.files, trust, eager, config)
+        if beside:
+            self.first_attention = FirstTokenAttention(model, config)
         if onednn:
             from pipeline.onednn import use_onednn_linear
 
@@ -423,9 +433,10 @@ class Encoder:
         need_all = layers != {self.num_layers}
         if self.fused:  # it computes what the poolers read of the last layer, no more
             inputs |= {"first_token_only": first_token_only, "first_token_attention": attention}
+        probabilities = attention and not self.fused and self.first_attention is None
         with _autocast(self.device, self.dtype), self._attention_kernels(ids.shape[1]):
             out = self.model(**inputs, output_hidden_states=need_all,
-                             output_attentions=attention and not self.fused)
+                             output_attentions=probabilities)
         if need_all:
             hidden = {i: out.hidden_states[i][:rows].float() for i in layers}
         else:
@@ -433,6 +444,8 @@ class Encoder:
         first = None
         if attention and self.fused:
             first = out.first_token_attention[:rows]
+        elif attention and self.first_attention is not None:
+            first = self.first_attention.weights(mask)[:rows]
         elif attention:
             first = out.attentions[-1][:rows, :, 0, :].float().mean(dim=1)
         return TokenStates(hidden, mask[:rows], first, self.num_layers, prompt_length)
