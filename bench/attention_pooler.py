@@ -1,17 +1,20 @@
-"""The attention pooler beside `mean` through the fused forward, against transformers' eager
-model (which it needed before) and against `mean` alone, in one process.
+"""The attention pooler beside `mean` through the fused forward, against transformers' own
+forward (SDPA with the weights computed beside it, and the eager model it needed before) and
+against `mean` alone, in one process.
 
     python bench/attention_pooler.py [--dtype auto] [--short 1000 --long 100 --rounds 3]
 
 The attention pooler weighs the last layer's states by the attention from the first token.
 The fused CPU forward computes those weights itself (one query a row beside its attention,
-``FusedEncoder.forward(first_token_attention=)``); transformers' model gives them only through
-its eager attention, for every layer. This encodes the same PyPI summaries and long texts
-(packaged MiniLM) three ways, ``--rounds`` times each after a first encode: ``mean`` +
-``attention`` fused, the same through transformers' eager model (the fused forward turned
-off), and ``mean`` alone fused; prints each way's seconds, the ratios of the medians and how
-far the attention set's vectors lie apart between the first two. Never a timed test: a
-script.
+``FusedEncoder.forward(first_token_attention=)``); beside transformers' model (a GPU's)
+``pipeline.first_token_attention`` computes them from the last layer's input, so that model
+keeps SDPA; else transformers gives them only through its eager attention, for every layer.
+This encodes the same PyPI summaries and long texts (packaged MiniLM) four ways, ``--rounds``
+times each after a first encode: ``mean`` + ``attention`` fused, the same through
+transformers' SDPA model with the weights beside it and through its eager model (the fused
+forward turned off), and ``mean`` alone fused; prints each way's seconds, the ratios of the
+medians and how far the attention set's vectors lie apart from the fused ones. Never a timed
+test: a script.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.encode_bench import DATA, load_texts  # noqa: E402
 from bench.speed import cpu_flags  # noqa: E402
-from pipeline import fused_bert  # noqa: E402
+from pipeline import first_token_attention, fused_bert  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder  # noqa: E402
 
@@ -39,13 +42,17 @@ def embedders(dtype: str) -> dict[str, Embedder]:
                         [PoolerSpec(name=n) for n in names])
 
     ways = {"fused": build("mean", "attention"), "mean_alone": build("mean")}
-    fusable = fused_bert.fusable
+    fusable, supported = fused_bert.fusable, first_token_attention.supported
     fused_bert.fusable = lambda config, device: False
     try:
+        ways["beside_sdpa"] = build("mean", "attention")
+        first_token_attention.supported = lambda config: False
         ways["eager"] = build("mean", "attention")
     finally:
-        fused_bert.fusable = fusable
+        fused_bert.fusable, first_token_attention.supported = fusable, supported
     assert ways["fused"].encoder.fused and not ways["eager"].encoder.fused
+    assert ways["beside_sdpa"].encoder.first_attention is not None
+    assert ways["eager"].encoder.model.config._attn_implementation == "eager"
     return ways
 
 
@@ -63,12 +70,17 @@ def measure(ways: dict[str, Embedder], texts: list[str], rounds: int) -> dict:
             vectors[name] = embedder.encode(texts, set_name)
             seconds[name].append(time.perf_counter() - started)
     median = {name: float(np.median(s)) for name, s in seconds.items()}
-    a, b = vectors["fused"], vectors["eager"]
-    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     return {"texts": len(texts), "seconds": {n: sorted(s) for n, s in seconds.items()},
             "eager_over_fused": median["eager"] / median["fused"],
+            "eager_over_beside_sdpa": median["eager"] / median["beside_sdpa"],
             "fused_over_mean_alone": median["fused"] / median["mean_alone"],
-            "min_cosine_fused_eager": float(cosine.min())}
+            "min_cosine_fused_eager": min_cosine(vectors["fused"], vectors["eager"]),
+            "min_cosine_fused_beside_sdpa": min_cosine(vectors["fused"],
+                                                       vectors["beside_sdpa"])}
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind:5} {r['texts']:5} texts: "
                   + "; ".join(f"{n} {' '.join(f'{s:.3f}' for s in v)} s"
                               for n, v in r["seconds"].items())
-                  + f": eager / fused {r['eager_over_fused']:.2f}x, fused / mean alone "
-                  f"{r['fused_over_mean_alone']:.2f}x; min cosine fused-eager "
-                  f"{r['min_cosine_fused_eager']:.6f}")
+                  + f": eager / fused {r['eager_over_fused']:.2f}x, eager / beside SDPA "
+                  f"{r['eager_over_beside_sdpa']:.2f}x, fused / mean alone "
+                  f"{r['fused_over_mean_alone']:.2f}x; min cosine to fused: eager "
+                  f"{r['min_cosine_fused_eager']:.6f}, beside SDPA "
+                  f"{r['min_cosine_fused_beside_sdpa']:.6f}")
     print(f"MiniLM, {report['dtype']}, CPU flags {report['cpu_flags']}")
     print(json.dumps(report))
     return 0
