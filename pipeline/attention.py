@@ -166,8 +166,10 @@ def masked_keys(mask: torch.Tensor, keys: int) -> torch.Tensor:
 
 
 def masked_bias(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``masked`` is False, the most negative ``dtype`` value where it is True."""
-    return torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, torch.finfo(dtype).min)
+    """0 where ``masked`` is False, the most negative ``dtype`` value where it is True; on
+    ``masked``'s device (a GPU's mask, ``pipeline.first_token_attention``)."""
+    zeros = torch.zeros(masked.shape, dtype=dtype, device=masked.device)
+    return zeros.masked_fill_(masked, torch.finfo(dtype).min)
 
 
 def key_width(width: int, dtype: torch.dtype) -> int:

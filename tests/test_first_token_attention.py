@@ -11,6 +11,7 @@ import torch
 from test_fused_bert import TEXTS, batches, tiny
 
 from pipeline import first_token_attention, fused_bert
+from pipeline.attention import masked_bias
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.embedder import Embedder
 from pipeline.first_token_attention import FirstTokenAttention, supported
@@ -35,6 +36,17 @@ def test_the_weights_beside_sdpa_are_the_eager_models_probabilities(kind: str) -
         assert bool(torch.all(got[mask == 0] == 0))
     with pytest.raises(RuntimeError, match="no forward ran"):  # read once a forward
         first.weights(mask)
+
+
+def test_the_weights_are_computed_on_the_masks_device() -> None:
+    """A GPU's forward hands a mask on the GPU: the bias is built there too (the meta device
+    stands in for it: no data, but the device of every tensor made from the mask)."""
+    model = tiny("bert")
+    first = FirstTokenAttention(model, model.config).to("meta")
+    first._keep(model, (torch.zeros(2, 7, model.config.hidden_size, device="meta"),), {})
+    mask = torch.ones(2, 7, dtype=torch.long, device="meta")
+    assert masked_bias(mask == 0, torch.float32).device.type == "meta"
+    assert first.weights(mask).device.type == "meta"
 
 
 def test_models_whose_scores_have_more_in_them_keep_the_eager_model() -> None:
