@@ -119,6 +119,17 @@ def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def plain(config: ModelConfig) -> bool:
+    """Whether the model of ``config`` is one of the family as transformers builds it: a type
+    in ``FUSABLE_TYPES``, no modeling code of its own (that code decides), absolute positions
+    (no relative_key terms in its scores), an encoder (no causal mask, no cross-attention)."""
+    remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
+    return (config.model_type in FUSABLE_TYPES and not remote
+            and getattr(config, "position_embedding_type", "absolute") in (None, "absolute")
+            and not getattr(config, "is_decoder", False)
+            and not getattr(config, "add_cross_attention", False))
+
+
 def own_name(model_type: str, name: str) -> str:
     """What the model's own state dict calls the weight BERT calls ``name``."""
     if not name.startswith(_LAYERS):

@@ -116,7 +116,9 @@ class Encoder:
             self.int8_kernel = self._int8_kernel(config, need_attention)
             self.fused_forward = self._fused_forward(config)
             self.fp32_kernel = self._fp32_kernel()
-            self.model = self._load_model(config, need_attention)
+            beside = need_attention and self._weights_beside(config)
+            self.model = self._load_model(config, eager=need_attention and not beside)
+            self.first_attention = FirstTokenAttention(self.model, config) if beside else None
         except ConfigError:
             raise
         except (OSError, ValueError, KeyError) as exc:
@@ -253,16 +255,21 @@ class Encoder:
             return "default"
         return "onednn"
 
-    def _load_model(self, config: recorded.ModelConfig, need_attention: bool) -> torch.nn.Module:
+    def _weights_beside(self, config: recorded.ModelConfig) -> bool:
+        """Whether the attention pooler's weights are computed beside transformers' forward
+        (``pipeline.first_token_attention``), which then keeps SDPA: where no fused forward
+        runs the model, nor is it handed on, and the architecture allows."""
+        return (not self.fused and not self._handed_on
+                and first_token_attention.supported(config))
+
+    def _load_model(self, config: recorded.ModelConfig, eager: bool) -> torch.nn.Module:
         """The fused forward where one runs the model (``fused_forward``), its weights read
-        without transformers' model classes where the files allow; else transformers' model,
-        its fp32 Linear layers through oneDNN where that kernel won."""
+        without transformers' model classes where the files allow; else transformers' model
+        (its eager attention where asked, or for int8's ONNX export), its fp32 Linear layers
+        through oneDNN where that kernel won."""
         trust = self.cfg.trust_remote_code
-        beside = need_attention and not self._handed_on and first_token_attention.supported(
-            config)  # the attention pooler's weights computed beside an SDPA forward
-        eager = (need_attention and not beside) or self.int8_kernel == "onnxruntime"
+        eager = eager or self.int8_kernel == "onnxruntime"
         onednn = self.fp32_kernel == "onednn"
-        self.first_attention: FirstTokenAttention | None = None
         if self.fused_forward is not None:
             wanted, base = self.fused_forward.checkpoint_weights(config)
             state = loader.read_fused_weights(self.files, wanted, base)
@@ -272,8 +279,6 @@ class Encoder:
             return self.fused_forward(config, state, onednn_fp32=onednn)
         config = loader.transformers_config(config, self.files, trust)
         model = loader.load_transformer(self.files, trust, eager, config)
-        if beside:
-            self.first_attention = FirstTokenAttention(model, config)
         if onednn:
             from pipeline.onednn import use_onednn_linear
 

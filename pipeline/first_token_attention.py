@@ -29,11 +29,7 @@ SUPPORTED_TYPES = bert_family.FUSABLE_TYPES - {"mpnet"}
 
 def supported(config: ModelConfig) -> bool:
     """Whether ``FirstTokenAttention`` computes what the eager model of ``config`` gives."""
-    remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
-    return (config.model_type in SUPPORTED_TYPES and not remote
-            and getattr(config, "position_embedding_type", "absolute") in (None, "absolute")
-            and not getattr(config, "is_decoder", False)
-            and not getattr(config, "add_cross_attention", False))
+    return config.model_type in SUPPORTED_TYPES and bert_family.plain(config)
 
 
 class FirstTokenAttention(torch.nn.Module):

@@ -64,15 +64,9 @@ GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneD
 
 
 def fusable(config: ModelConfig, device: torch.device) -> bool:
-    """Whether ``FusedBert`` computes what the model of ``config`` computes, on ``device``
-    (not for a model whose config names its own modeling code: that code decides)."""
-    remote = "AutoModel" in (getattr(config, "auto_map", None) or {})
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available() and not remote
-            and config.model_type in bert_family.FUSABLE_TYPES
-            and bert_family.dims(config).activation in GELU
-            and getattr(config, "position_embedding_type", "absolute") in (None, "absolute")
-            and not getattr(config, "is_decoder", False)
-            and not getattr(config, "add_cross_attention", False))
+    """Whether ``FusedBert`` computes what the model of ``config`` computes, on ``device``."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and bert_family.plain(config) and bert_family.dims(config).activation in GELU)
 
 
 @dataclass(frozen=True)
