@@ -122,7 +122,7 @@ def serving(out: str, set_name: str) -> Iterator[str]:
 def test_embed_resume_backfill_index_query_on_s3(s3_server, s3_bucket, tiny_model_dir,
                                                  prefect_api, tmp_path, monkeypatch,
                                                  capsys) -> None:
-    from flows.embed import backfill_flow, embed_flow
+    from flows.embed import backfill_flow, embed_flow, nightly_flow
     from flows.index import index_flow
 
     root = f"s3://{s3_bucket}"
@@ -184,6 +184,14 @@ def test_embed_resume_backfill_index_query_on_s3(s3_server, s3_bucket, tiny_mode
     assert not [k for k in written if "/sets/mean/" in k or "/sets/cls/" in k]
     assert list_sets(out) == ["cls", "max", "mean"]
     assert sorted(set_rows(out, "max")) == sorted(ids)
+
+    # a nightly run naming no pooler and no model re-reads every shard of every set in OUT
+    # (their poolers and encoder from their _SET.json on S3); nothing changed: no part written
+    mark = len(s3_server.faults.uploads)
+    nightly = {k: v for k, v in job(root, tiny_model_dir, []).items() if k != "poolers"}
+    summary = nightly_flow(nightly | {"encoder": {"device": "cpu", "dtype": "fp32"}})
+    assert summary["sets"] == ["cls", "max", "mean"] and summary["embedded"] == 0
+    assert not [k for k in uploads_since(s3_server, mark) if "/part-" in k]
 
     # 5. index every set: built locally from streamed parts, published to S3, marker last
     results = index_flow(out)
