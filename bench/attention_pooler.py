@@ -34,6 +34,7 @@ from bench.speed import cpu_flags  # noqa: E402
 from pipeline import first_token_attention, fused_bert  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder  # noqa: E402
+from pipeline.vectors import row_cosines  # noqa: E402
 
 
 def embedders(dtype: str) -> dict[str, Embedder]:
@@ -80,7 +81,7 @@ def measure(ways: dict[str, Embedder], texts: list[str], rounds: int) -> dict:
 
 
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+    return float(row_cosines(a, b).min())
 
 
 def main(argv: list[str] | None = None) -> int:

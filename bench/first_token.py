@@ -29,6 +29,7 @@ from bench.encode_bench import DATA, load_texts  # noqa: E402
 from bench.speed import cpu_flags  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
 from pipeline.embedder import Embedder  # noqa: E402
+from pipeline.vectors import row_cosines  # noqa: E402
 
 
 def embedder(model: str | None, dtype: str) -> Embedder:
@@ -51,7 +52,7 @@ def alternate(embedder: Embedder, texts: list[str], rounds: int) -> dict:
         seconds[first].append(time.perf_counter() - started)
     embedder.first_token_only = True
     a, b = vectors[True], vectors[False]
-    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    cosine = row_cosines(a, b)
     return {"texts": len(texts), "first_s": sorted(seconds[True]),
             "whole_s": sorted(seconds[False]),
             "median_ratio": float(np.median(seconds[False]) / np.median(seconds[True])),

@@ -64,6 +64,8 @@ class FirstTokenAttention(torch.nn.Module):
         k = self.key(states)
         q, k = (t.view(rows, -1, self.heads, t.shape[-1] // self.heads).transpose(1, 2)
                 for t in (q, k))
+        # the mask's bias as it is: ``attention_bias`` would ask the device whether any key
+        # is masked (a GPU's sync each batch) to save the fused kernels an add
         bias = masked_bias(mask == 0, torch.float32)[:, None, None, :]
         return first_query_weights(q, k, bias)
 

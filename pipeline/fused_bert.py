@@ -380,13 +380,11 @@ class FusedEncoder(torch.nn.Module):
             weights = [] if first_token_attention else None  # the last layer's, run by run
             if first_token_only:
                 last = self._first_tokens(last_layer, last_runs, x, dtype, layout, weights)
-                return FusedOutput(last, None, attention.first_weights(weights, layout))
-            x = last_layer(x, last_runs, dtype, owned=states is None, weights=weights)
-            last = layout.batch(self.final(x[: layout.tokens]))
-        first = attention.first_weights(weights, layout)
-        if states is None:
-            return FusedOutput(last, None, first)
-        return FusedOutput(last, PaddedStates(layout, states, last), first)
+            else:
+                x = last_layer(x, last_runs, dtype, owned=states is None, weights=weights)
+                last = layout.batch(self.final(x[: layout.tokens]))
+        hidden = None if states is None else PaddedStates(layout, states, last)
+        return FusedOutput(last, hidden, attention.first_weights(weights, layout))
 
     def _first_tokens(self, layer: FusedLayer, runs: list, x: torch.Tensor, dtype: torch.dtype,
                       layout: Layout, weights: list[torch.Tensor] | None) -> torch.Tensor:
