@@ -444,6 +444,36 @@ def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_pr
         assert float(cosine.min()) > 0.999
 
 
+def test_fp32_residual_adds_run_after_the_product_the_same_bit_for_bit_as_in_its_epilogue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed for oneDNN in fp32, a layer's two residual adds run as passes after their
+    products (``fused_bert.EPILOGUE_BINARY`` holds no fp32), and give the states oneDNN's
+    epilogue gives, bit for bit, whether the layer owns its input or not."""
+    if not packs(torch.float32, True):
+        pytest.skip("this torch runs no fp32 product through oneDNN")
+    fused = FusedBert.from_model(tiny(), onednn_fp32=True)
+    fused.pack(torch.float32)
+    epilogues: list[str] = []
+    forward = PackedLinear.forward
+
+    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
+            binary: str = "add") -> torch.Tensor:
+        if other is not None:
+            epilogues.append(binary)
+        return forward(self, x, other, binary)
+
+    monkeypatch.setattr(PackedLinear, "forward", spy)
+    ids, mask = batch(rows=6, width=31)
+    with torch.inference_mode():
+        apart = fused(ids, mask, output_hidden_states=True).hidden_states
+        assert epilogues == []
+        monkeypatch.setattr(fused_bert, "EPILOGUE_BINARY", (torch.float32,))
+        in_epilogue = fused(ids, mask, output_hidden_states=True).hidden_states
+    assert epilogues == ["add"] * 2 * len(fused.layers)
+    for ours, theirs in zip(apart, in_epilogue, strict=True):
+        assert torch.equal(ours, theirs)
+
+
 def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None:
     _, mask = batch(rows=7, width=19)
     for dtype in (torch.float32, torch.bfloat16):
