@@ -216,9 +216,10 @@ class ProductLayer(torch.nn.Module):
         ``EPILOGUE_BINARY``, else as a pass of its own, in place into ``times``, into the
         product's output where it has the residual's dtype, or into ``residual`` where the
         layer ``owned`` it (made it, and no caller keeps it), else into a new tensor. An fp32
-        residual + a bf16 product: torch widens the product in a pass of its own first (1.06 ms against 0.70 for fp32 + fp32 over [32, 256, 384] on an AMX
-        Xeon VM; in place over [4,096, 768] 0.91 against 1.21 ms); no CPU kernel of torch 2.13
-        writes a bf16 product in fp32, see bench/RESULTS.md."""
+        residual + a bf16 product: torch widens the product in a pass of its own first (1.06
+        ms against 0.70 for fp32 + fp32 over [32, 256, 384] on an AMX Xeon VM; in place over
+        [4,096, 768] 0.91 against 1.21 ms); no CPU kernel of torch 2.13 writes a bf16 product
+        in fp32, see bench/RESULTS.md."""
         other, binary = (residual, "add") if times is None else (times, "mul")
         if other is None:
             return self._product(x, layer, dtype, activation, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,36 @@ def record_first_token_asks(monkeypatch: pytest.MonkeyPatch, model_class: type) 
 
     monkeypatch.setattr(model_class, "forward", spy)
     return asked
+
+
+@dataclass(frozen=True)
+class PackedCall:
+    """One call of ``PackedLinear.forward``: its input's rows, whether they were all finite,
+    and the tensor its epilogue adds or multiplies (``other``'s dtype, ``binary``), None
+    where it had none."""
+
+    rows: int
+    finite: bool
+    epilogue: tuple[object, str] | None
+
+
+def record_packed_products(monkeypatch: pytest.MonkeyPatch) -> list[PackedCall]:
+    """Each ``pipeline.onednn.PackedLinear`` product from now on; it runs as before."""
+    import torch
+
+    from pipeline.onednn import PackedLinear
+
+    calls: list[PackedCall] = []
+    forward = PackedLinear.forward
+
+    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
+            binary: str = "add") -> torch.Tensor:
+        epilogue = None if other is None else (other.dtype, binary)
+        calls.append(PackedCall(len(x), bool(torch.isfinite(x).all()), epilogue))
+        return forward(self, x, other, binary)
+
+    monkeypatch.setattr(PackedLinear, "forward", spy)
+    return calls
 
 
 def assert_first_tokens_alone_are_the_whole_forwards(forwards: list, ids, mask) -> None:

@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_first_tokens_alone_are_the_whole_forwards, record_first_token_asks
+from conftest import (
+    assert_first_tokens_alone_are_the_whole_forwards,
+    record_first_token_asks,
+    record_packed_products,
+)
 from transformers import (
     BertConfig,
     BertModel,
@@ -241,16 +245,7 @@ def test_packed_products_take_a_few_row_counts_and_give_the_batchs_own_states(
     fused = FusedBert.from_model(tiny(), onednn_fp32=True)
     fused.pack(dtype)
     assert fused.shaped
-    seen: list[int] = []
-    forward = PackedLinear.forward
-
-    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
-            binary: str = "add") -> torch.Tensor:
-        seen.append(len(x))
-        assert bool(torch.isfinite(x).all())
-        return forward(self, x, other, binary)
-
-    monkeypatch.setattr(PackedLinear, "forward", spy)
+    calls = record_packed_products(monkeypatch)
     want_rows = []
     for rows, width in [(5, 23), (8, 40), (1, 3)]:
         ids, mask = batch(rows, width)
@@ -264,7 +259,8 @@ def test_packed_products_take_a_few_row_counts_and_give_the_batchs_own_states(
         assert all(state.shape == (rows, width, 48) for state in got)
         for ours, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
-    assert seen == want_rows  # 4 products x 3 layers a forward
+    assert [call.rows for call in calls] == want_rows  # 4 products x 3 layers a forward
+    assert all(call.finite for call in calls)
     assert want_rows[::12] == [128, 96, 256, 162, 16, 3]  # padded: 115, 320 tokens
 
 
@@ -420,23 +416,14 @@ def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_pr
     assert fused.residual_dtype(torch.float32) == torch.float32
     assert fused.residual_dtype(torch.bfloat16) == (torch.bfloat16 if amx else torch.float32)
     fused.pack(torch.bfloat16)
-    added: list[torch.dtype] = []
-    forward = PackedLinear.forward
-
-    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
-            binary: str = "add") -> torch.Tensor:
-        if other is not None:
-            assert binary == "add"
-            added.append(other.dtype)
-        return forward(self, x, other, binary)
-
-    monkeypatch.setattr(PackedLinear, "forward", spy)
+    calls = record_packed_products(monkeypatch)
     with torch.inference_mode():
         got = fused(ids, mask, output_hidden_states=True).hidden_states
         last = fused(ids, mask)  # no layer's states kept
         with torch.autocast("cpu", dtype=torch.bfloat16):
             want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    assert added == ([torch.bfloat16] * 4 * len(fused.layers) if amx else [])
+    added = [call.epilogue for call in calls if call.epilogue]
+    assert added == ([(torch.bfloat16, "add")] * 4 * len(fused.layers) if amx else [])
     assert last.hidden_states is None and torch.equal(last.last_hidden_state, got[-1])
     for ours, theirs in zip(got, want.hidden_states, strict=True):
         assert ours.dtype == torch.float32
@@ -453,23 +440,15 @@ def test_fp32_residual_adds_run_after_the_product_the_same_bit_for_bit_as_in_its
         pytest.skip("this torch runs no fp32 product through oneDNN")
     fused = FusedBert.from_model(tiny(), onednn_fp32=True)
     fused.pack(torch.float32)
-    epilogues: list[str] = []
-    forward = PackedLinear.forward
-
-    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
-            binary: str = "add") -> torch.Tensor:
-        if other is not None:
-            epilogues.append(binary)
-        return forward(self, x, other, binary)
-
-    monkeypatch.setattr(PackedLinear, "forward", spy)
+    calls = record_packed_products(monkeypatch)
     ids, mask = batch(rows=6, width=31)
     with torch.inference_mode():
         apart = fused(ids, mask, output_hidden_states=True).hidden_states
-        assert epilogues == []
+        assert [call.epilogue for call in calls if call.epilogue] == []
         monkeypatch.setattr(fused_bert, "EPILOGUE_BINARY", (torch.float32,))
         in_epilogue = fused(ids, mask, output_hidden_states=True).hidden_states
-    assert epilogues == ["add"] * 2 * len(fused.layers)
+    added = [call.epilogue for call in calls if call.epilogue]
+    assert added == [(torch.float32, "add")] * 2 * len(fused.layers)
     for ours, theirs in zip(apart, in_epilogue, strict=True):
         assert torch.equal(ours, theirs)
 

@@ -12,6 +12,7 @@ from conftest import (
     assert_first_tokens_alone_are_the_whole_forwards,
     build_tiny_bert,
     record_first_token_asks,
+    record_packed_products,
 )
 from transformers import ModernBertConfig, ModernBertModel
 
@@ -189,16 +190,7 @@ def test_a_forward_that_keeps_no_states_adds_in_place_to_the_same_vectors(
     model = tiny()
     fused = FusedModernBert.from_model(model, onednn_fp32=onednn_fp32)
     fused.pack(dtype)
-    binaries: list[str] = []
-    forward = PackedLinear.forward
-
-    def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
-            binary: str = "add") -> torch.Tensor:
-        if other is not None:
-            binaries.append(binary)
-        return forward(self, x, other, binary)
-
-    monkeypatch.setattr(PackedLinear, "forward", spy)
+    calls = record_packed_products(monkeypatch)
     ids, mask = batch(5, 23)
     with torch.inference_mode():
         kept = fused(ids, mask, output_hidden_states=True)
@@ -206,6 +198,7 @@ def test_a_forward_that_keeps_no_states_adds_in_place_to_the_same_vectors(
         want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     assert last.hidden_states is None
     assert torch.equal(last.last_hidden_state, kept.last_hidden_state)
+    binaries = [call.epilogue[1] for call in calls if call.epilogue]
     assert binaries == (["mul"] * 2 * len(fused.layers) if dtype == torch.bfloat16 else [])
     for ours, theirs in zip(kept.hidden_states, want.hidden_states, strict=True):
         cosine = F.cosine_similarity(real(ours, mask), real(theirs, mask), -1)
