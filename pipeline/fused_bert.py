@@ -134,8 +134,9 @@ class Embeddings(torch.nn.Module):
 
 class ProductLayer(torch.nn.Module):
     """A layer whose Linears (``PRODUCTS``, GELU after ``GELU_PRODUCT``'s) run as the fused
-    forward runs them: packed for oneDNN once the dtype is fixed, the bias, GELU, a residual
-    add or a gate's multiply in the product's epilogue where oneDNN runs it. Subclasses set
+    forward runs them: packed for oneDNN once the dtype is fixed, the bias and GELU in the
+    product's epilogue where oneDNN runs it, a residual add or a gate's multiply there too in
+    ``EPILOGUE_BINARY``'s dtypes (``_linear``). Subclasses set
     ``gelu`` (oneDNN's algorithm name) and ``onednn_fp32``."""
 
     PRODUCTS: tuple[str, ...] = ()
