@@ -11,6 +11,8 @@ in the same run:
   "% of peak");
 * ``products in context``: the products' FLOPs over the padded rows / their time inside it;
 * ``products alone``: the same products (same shapes and weights) replayed back to back;
+* ``each product``: a layer's products apart (query/key/value, the attention's output, the
+  feed-forward's two), each one's share of the encode and of the peak, GELU and epilogue in;
 * ``ceiling``: the model's FLOPs / the products' time in context: the encoder's share of the
   peak if everything else (attention, softmax, LayerNorm, adds, copies, tokenizing, pooling)
   took no time at all, and the padding's share of the products' FLOPs;
@@ -102,6 +104,21 @@ class ProductTimer(CallTimer):
         return sum(2.0 * shape.numel() * layer.out_features
                    for shape, layer, *_ in self.calls)
 
+    def by_product(self, encode_s: float, peak: float) -> dict[str, dict]:
+        """Each product of a layer (by its [in x out] shape, "+gelu" where it applies GELU,
+        "+add"/"+mul" where its epilogue took a second tensor): its share of the encode and
+        its FLOPs over its time against the peak (GELU and epilogue included)."""
+        groups: dict[str, list[float]] = {}
+        for shape, layer, _, activation, other, seconds in self.calls:
+            key = (f"{layer.in_features}x{layer.out_features}" + ("+gelu" if activation else "")
+                   + ("" if other is None else f"+{other[1]}"))
+            flops_seconds = groups.setdefault(key, [0.0, 0.0])
+            flops_seconds[0] += 2.0 * shape.numel() * layer.out_features
+            flops_seconds[1] += seconds
+        return {key: {"share_of_encode": round(seconds / encode_s, 3),
+                      "of_peak": round(flops / seconds / 1e9 / peak, 3)}
+                for key, (flops, seconds) in groups.items()}
+
 
 class AttentionTimer(CallTimer):
     """Wraps ``pipeline.attention.attend`` (every fused forward's attention, any kernel): the
@@ -171,6 +188,7 @@ def measure(embedder: Embedder, texts: list[str], rounds: int, peak: float) -> d
         "products_share_of_encode": round(products / seconds, 3),
         "products_in_context_of_peak": round(padded / products / 1e9 / peak, 3),
         "products_alone_of_peak": round(padded / alone / 1e9 / peak, 3),
+        "each_product": timer.by_product(seconds, peak),
         "padding_share_of_product_flops": round(1 - model_products / padded, 3),
         "ceiling_of_peak": round(flops / products / 1e9 / peak, 3),
         "attention_share_of_encode": round(attending / seconds, 3),
