@@ -7,11 +7,15 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pipeline.hardware import prepare_cpu_kernels
 from pipeline.settings import cache_root
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _own_cache_dir() -> Path:
@@ -122,7 +126,7 @@ class PackedCall:
 
     rows: int
     finite: bool
-    epilogue: tuple[object, str] | None
+    epilogue: tuple[torch.dtype, str] | None
 
 
 def record_packed_products(monkeypatch: pytest.MonkeyPatch) -> list[PackedCall]:

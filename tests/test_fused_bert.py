@@ -442,15 +442,24 @@ def test_fp32_residual_adds_run_after_the_product_the_same_bit_for_bit_as_in_its
     fused.pack(torch.float32)
     calls = record_packed_products(monkeypatch)
     ids, mask = batch(rows=6, width=31)
-    with torch.inference_mode():
-        apart = fused(ids, mask, output_hidden_states=True).hidden_states
-        assert [call.epilogue for call in calls if call.epilogue] == []
-        monkeypatch.setattr(fused_bert, "EPILOGUE_BINARY", (torch.float32,))
-        in_epilogue = fused(ids, mask, output_hidden_states=True).hidden_states
+
+    def forwards() -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Every layer's states (kept: no layer owns its input), then the last state alone
+        (each layer adds into a stream it owns)."""
+        with torch.inference_mode():
+            kept = fused(ids, mask, output_hidden_states=True).hidden_states
+            return kept, fused(ids, mask).last_hidden_state
+
+    apart, apart_owned = forwards()
+    assert [call.epilogue for call in calls if call.epilogue] == []
+    monkeypatch.setattr(fused_bert, "EPILOGUE_BINARY", (torch.float32,))
+    in_epilogue, in_epilogue_owned = forwards()
     added = [call.epilogue for call in calls if call.epilogue]
-    assert added == [(torch.float32, "add")] * 2 * len(fused.layers)
+    assert added == [(torch.float32, "add")] * 2 * 2 * len(fused.layers)  # two forwards
     for ours, theirs in zip(apart, in_epilogue, strict=True):
         assert torch.equal(ours, theirs)
+    assert torch.equal(apart_owned, in_epilogue_owned)
+    assert torch.equal(apart_owned, apart[-1])
 
 
 def test_the_attention_bias_masks_padding_and_short_rows_keys_finitely() -> None:
