@@ -180,11 +180,11 @@ def test_packed_products_give_the_batchs_own_states(dtype: torch.dtype) -> None:
                          ids=["mkl", "onednn-fp32", "bf16"])
 def test_a_forward_that_keeps_no_states_adds_in_place_to_the_same_vectors(
         dtype: torch.dtype, onednn_fp32: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The residual adds that are passes of their own (MKL's fp32 products; a bf16 product
-    onto the fp32 stream) go into the stream in place when no layer's states are kept: the
-    same last state, bit for bit, as the forward that keeps them (and leaves them as
-    transformers' are); packed in bf16, the gate multiplies into the GELU half in the
-    epilogue, in fp32 in place after it (``fused_bert.EPILOGUE_BINARY``)."""
+    """The residual adds that are passes of their own (fp32 products: into the product's
+    output; a bf16 product onto the fp32 stream: into the stream in place when no layer's
+    states are kept) give the same last state, bit for bit, as the forward that keeps them
+    (and leaves them as transformers' are); packed in bf16, the gate multiplies into the GELU
+    half in the epilogue, in fp32 in place after it (``fused_bert.EPILOGUE_BINARY``)."""
     if not packs(dtype, onednn_fp32) and dtype != torch.float32:
         pytest.skip(f"this CPU or torch packs no {dtype} weights for oneDNN")
     model = tiny()
