@@ -61,14 +61,6 @@ if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
 
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's algorithm
-# the dtypes whose products take a residual add or a gate's multiply in oneDNN's epilogue; in
-# fp32 it runs as ATen's pass after the product, the same sum bit for bit and faster over a
-# batch's rows: [4,096 x 384] x [384 x 384] + residual 5.46 ms in the epilogue against 5.15
-# (AVX2 kernels) and 3.27 against 2.99 (AVX-512) on a 2-core AMX Xeon VM, where bf16's
-# epilogue won (0.42 against 0.63 ms). MiniLM's fp32 encode, alternated rounds: 300 long
-# texts 9.42 -> 9.21 s capped to AVX2, 5.90 -> 5.71 s with AVX-512; 3,000 summaries 5.27 ->
-# 5.07 s capped; a ModernBERT-base's 60 long texts 29.7 -> 29.0 s capped (see bench/RESULTS.md)
-EPILOGUE_BINARY = (torch.bfloat16, torch.float16)
 
 
 def fusable(config: ModelConfig, device: torch.device) -> bool:
@@ -134,9 +126,9 @@ class Embeddings(torch.nn.Module):
 
 class ProductLayer(torch.nn.Module):
     """A layer whose Linears (``PRODUCTS``, GELU after ``GELU_PRODUCT``'s) run as the fused
-    forward runs them: packed for oneDNN once the dtype is fixed, the bias and GELU in the
-    product's epilogue where oneDNN runs it, a residual add or a gate's multiply there too in
-    ``EPILOGUE_BINARY``'s dtypes (``_linear``). Subclasses set
+    forward runs them: packed for oneDNN once the dtype is fixed, the bias, GELU, a residual
+    add or a gate's multiply in the product's epilogue where oneDNN runs it (in fp32 the
+    residual or gate as a pass after it, ``PackedLinear.binary_after``). Subclasses set
     ``gelu`` (oneDNN's algorithm name) and ``onednn_fp32``."""
 
     PRODUCTS: tuple[str, ...] = ()
@@ -212,19 +204,19 @@ class ProductLayer(torch.nn.Module):
                 activation: bool = False, residual: torch.Tensor | None = None,
                 times: torch.Tensor | None = None, owned: bool = False) -> torch.Tensor:
         """``layer(x)`` in ``dtype``, GELU after where ``activation``, ``+ residual`` or ``*
-        times`` (a gated feed-forward's other half) where given: in the product's epilogue
-        where that tensor has the product's dtype, oneDNN runs it and the dtype is one of
-        ``EPILOGUE_BINARY``, else as a pass of its own, in place into ``times``, into the
-        product's output where it has the residual's dtype, or into ``residual`` where the
-        layer ``owned`` it (made it, and no caller keeps it), else into a new tensor. An fp32
-        residual + a bf16 product: torch widens the product in a pass of its own first (1.06
-        ms against 0.70 for fp32 + fp32 over [32, 256, 384] on an AMX Xeon VM; in place over
-        [4,096, 768] 0.91 against 1.21 ms); no CPU kernel of torch 2.13 writes a bf16 product
-        in fp32, see bench/RESULTS.md."""
+        times`` (a gated feed-forward's other half) where given: in the product's epilogue where
+        that tensor has the product's dtype and oneDNN runs it (a ``PackedLinear`` in fp32
+        applies it after, ``binary_after``), else as a pass of its own, in place into ``times``,
+        into the product's output where it has the residual's dtype, or into ``residual`` where
+        the layer ``owned`` it (made it, and no caller keeps it), else into a new tensor. An
+        fp32 residual + a bf16 product: torch widens the product in a pass of its own first
+        (1.06 ms against 0.70 for fp32 + fp32 over [32, 256, 384] on an AMX Xeon VM; in place
+        over [4,096, 768] 0.91 against 1.21 ms); no CPU kernel of torch 2.13 writes a bf16
+        product in fp32, see bench/RESULTS.md."""
         other, binary = (residual, "add") if times is None else (times, "mul")
         if other is None:
             return self._product(x, layer, dtype, activation, None)
-        if other.dtype == dtype and self._onednn(layer, dtype) and dtype in EPILOGUE_BINARY:
+        if other.dtype == dtype and self._onednn(layer, dtype):
             return self._product(x, layer, dtype, activation, other, binary)
         out = self._product(x, layer, dtype, activation, None)
         if times is not None:

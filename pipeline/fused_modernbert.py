@@ -27,8 +27,7 @@ plus:
   the head-major layout attention reads;
 * the gate's two halves as two products over one cast of their input: GELU in the first
   one's epilogue, which the second one's epilogue multiplies into its output where oneDNN
-  runs it in bf16 (else in place after it: in fp32 the faster way,
-  ``fused_bert.EPILOGUE_BINARY``);
+  runs it (else, and in fp32, in place after it: ``PackedLinear.binary_after``);
 * a sliding layer's band of keys (and the padding, where the batch runs padded) in one bias
   per forward for each run of rows ([1, 1, queries, keys] for a run of real tokens alone, which
   its rows share; [rows, 1, queries, keys] padded; masked entries the dtype's most negative

@@ -78,7 +78,15 @@ class PackedLinear(torch.nn.Module):
     bf16 product took 12.8 ms over the plain weight and 10.7 ms over the packed one (oneDNN's
     verbose log, 2-core AVX512-BF16 EPYC VM). ``gelu_apart``: the GELU as ATen's pass in place
     after the product instead, where that was measured faster
-    (``pipeline.hardware.fp32_gelu_apart``)."""
+    (``pipeline.hardware.fp32_gelu_apart``).
+
+    In fp32 (``binary_after``) the residual or gate runs as ATen's pass in place over the
+    product's output, the same result bit for bit: oneDNN's fp32 binary post-op was slower
+    over a batch's rows, [4,096 x 384] x [384 x 384] + residual 5.46 ms against 5.15 (AVX2
+    kernels) and 3.27 against 2.99 (AVX-512) on a 2-core AMX Xeon VM, while in bf16 the
+    epilogue won (0.42 against 0.63 ms); at 512 rows the two were within 1.5% either way.
+    MiniLM's fp32 encode: 300 long texts 9.42 -> 9.21 s capped to AVX2, 5.90 -> 5.71 s with
+    AVX-512, 3,000 summaries 5.27 -> 5.07 s capped (see bench/RESULTS.md)."""
 
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype, gelu: str | None = None,
                  gelu_apart: bool = False) -> None:
@@ -89,24 +97,27 @@ class PackedLinear(torch.nn.Module):
         in_epilogue = gelu is not None and not gelu_apart
         self.post_op, self.algorithm = ("gelu", gelu) if in_epilogue else ("none", "")
         self.gelu_after = gelu if gelu is not None and gelu_apart else None
+        self.binary_after = dtype == torch.float32
         self.dtype, self.in_features, self.out_features = (dtype, linear.in_features,
                                                            linear.out_features)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None,
                 binary: Binary = "add") -> torch.Tensor:
         """The product, with ``other`` (in this product's dtype; no GELU here) added to it
-        (``binary`` "add": a residual) or multiplied into it ("mul": a gate) in its epilogue
-        where given: oneDNN's binary post-op, on the fp32 accumulator before the output is
-        rounded."""
+        (``binary`` "add": a residual) or multiplied into it ("mul": a gate) where given: in
+        its epilogue, oneDNN's binary post-op on the fp32 accumulator before the output is
+        rounded, or, ``binary_after``, in place over the fp32 output."""
         x = x.to(self.dtype)
-        if other is None:
+        if other is not None and (self.post_op != "none" or self.gelu_after is not None):
+            raise ValueError(f"a binary {binary} follows no activation in one product")
+        if other is None or self.binary_after:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.post_op,
                                                      [], self.algorithm)
             if self.gelu_after is not None:
                 torch.ops.aten.gelu_(out, approximate=self.gelu_after)
+            if other is not None:
+                return out.add_(other) if binary == "add" else out.mul_(other)
             return out
-        if self.post_op != "none" or self.gelu_after is not None:
-            raise ValueError(f"a binary {binary} follows no activation in one product")
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias,
                                                          binary)
 

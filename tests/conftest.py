@@ -121,12 +121,14 @@ def record_first_token_asks(monkeypatch: pytest.MonkeyPatch, model_class: type) 
 @dataclass(frozen=True)
 class PackedCall:
     """One call of ``PackedLinear.forward``: its input's rows, whether they were all finite,
-    and the tensor its epilogue adds or multiplies (``other``'s dtype, ``binary``), None
-    where it had none."""
+    the tensor oneDNN's epilogue adds or multiplies (``other``'s dtype, ``binary``), and the
+    ``binary`` applied after the product instead (``PackedLinear.binary_after``); None where
+    there was none."""
 
     rows: int
     finite: bool
     epilogue: tuple[torch.dtype, str] | None
+    after: str | None = None
 
 
 def record_packed_products(monkeypatch: pytest.MonkeyPatch) -> list[PackedCall]:
@@ -140,8 +142,13 @@ def record_packed_products(monkeypatch: pytest.MonkeyPatch) -> list[PackedCall]:
 
     def spy(self: PackedLinear, x: torch.Tensor, other: torch.Tensor | None = None,
             binary: str = "add") -> torch.Tensor:
-        epilogue = None if other is None else (other.dtype, binary)
-        calls.append(PackedCall(len(x), bool(torch.isfinite(x).all()), epilogue))
+        finite = bool(torch.isfinite(x).all())
+        if other is None:
+            calls.append(PackedCall(len(x), finite, None))
+        elif self.binary_after:
+            calls.append(PackedCall(len(x), finite, None, binary))
+        else:
+            calls.append(PackedCall(len(x), finite, (other.dtype, binary)))
         return forward(self, x, other, binary)
 
     monkeypatch.setattr(PackedLinear, "forward", spy)

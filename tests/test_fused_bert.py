@@ -434,8 +434,8 @@ def test_the_residual_stream_is_bf16_only_where_amx_runs_its_adds_then_in_the_pr
 def test_fp32_residual_adds_run_after_the_product_the_same_bit_for_bit_as_in_its_epilogue(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed for oneDNN in fp32, a layer's two residual adds run as passes after their
-    products (``fused_bert.EPILOGUE_BINARY`` holds no fp32), and give the states oneDNN's
-    epilogue gives, bit for bit, whether the layer owns its input or not."""
+    products (``PackedLinear.binary_after``), and give the states oneDNN's epilogue gives, bit
+    for bit, whether the layer owns its input or not."""
     if not packs(torch.float32, True):
         pytest.skip("this torch runs no fp32 product through oneDNN")
     fused = FusedBert.from_model(tiny(), onednn_fp32=True)
@@ -452,7 +452,11 @@ def test_fp32_residual_adds_run_after_the_product_the_same_bit_for_bit_as_in_its
 
     apart, apart_owned = forwards()
     assert [call.epilogue for call in calls if call.epilogue] == []
-    monkeypatch.setattr(fused_bert, "EPILOGUE_BINARY", (torch.float32,))
+    assert [call.after for call in calls if call.after] == ["add"] * 2 * 2 * len(fused.layers)
+    calls.clear()
+    for packed in fused.modules():
+        if isinstance(packed, PackedLinear):
+            packed.binary_after = False  # oneDNN's epilogue, as bf16 takes it
     in_epilogue, in_epilogue_owned = forwards()
     added = [call.epilogue for call in calls if call.epilogue]
     assert added == [(torch.float32, "add")] * 2 * 2 * len(fused.layers)  # two forwards

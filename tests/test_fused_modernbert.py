@@ -184,7 +184,7 @@ def test_a_forward_that_keeps_no_states_adds_in_place_to_the_same_vectors(
     output; a bf16 product onto the fp32 stream: into the stream in place when no layer's
     states are kept) give the same last state, bit for bit, as the forward that keeps them
     (and leaves them as transformers' are); packed in bf16, the gate multiplies into the GELU
-    half in the epilogue, in fp32 in place after it (``fused_bert.EPILOGUE_BINARY``)."""
+    half in the epilogue, in fp32 in place after it (``PackedLinear.binary_after``)."""
     if not packs(dtype, onednn_fp32) and dtype != torch.float32:
         pytest.skip(f"this CPU or torch packs no {dtype} weights for oneDNN")
     model = tiny()
@@ -200,6 +200,9 @@ def test_a_forward_that_keeps_no_states_adds_in_place_to_the_same_vectors(
     assert torch.equal(last.last_hidden_state, kept.last_hidden_state)
     binaries = [call.epilogue[1] for call in calls if call.epilogue]
     assert binaries == (["mul"] * 2 * len(fused.layers) if dtype == torch.bfloat16 else [])
+    after = [call.after for call in calls if call.after]  # two forwards; fp32 stream adds
+    fp32_packed = dtype == torch.float32 and onednn_fp32
+    assert after == (["add", "mul", "add"] * 2 * len(fused.layers) if fp32_packed else [])
     for ours, theirs in zip(kept.hidden_states, want.hidden_states, strict=True):
         cosine = F.cosine_similarity(real(ours, mask), real(theirs, mask), -1)
         assert float(cosine.min()) > (0.99999 if dtype == torch.float32 else 0.999)

@@ -111,7 +111,9 @@ def test_packed_linears_compute_the_linears_products(dtype: torch.dtype) -> None
         residual = torch.randn(3, 5, 64).to(dtype)
         with_residual = torch.ops.mkldnn._linear_pointwise.binary(x, residual, plain[0].weight,
                                                                    plain[0].bias, "add")
-        assert torch.equal(packed[0](x, residual), with_residual)  # added in the epilogue
+        # added in the epilogue; in fp32 after the product (binary_after), the same bits
+        assert packed[0].binary_after == (dtype == torch.float32)
+        assert torch.equal(packed[0](x, residual), with_residual)
         if dtype == torch.float32:  # as the add after the product, bit for bit
             assert torch.equal(with_residual, want[0] + residual)
         else:  # rounded to bf16 once, not twice
