@@ -22,6 +22,8 @@ Every write goes through ``pipeline.storage`` and is atomic.
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -66,6 +68,10 @@ class SetMeta(BaseModel):
     rows_written: int = 0
     rows_skipped: dict[str, int] = {}
     generation: int = 0
+    # made with the set's folder: a set removed and made again under the same name gets
+    # another, so an index (``_INDEX.json``'s ``set_token``) of the old one is never taken as
+    # its own; None: a set made before embedpipe kept one
+    token: str | None = None
 
     @property
     def metric(self) -> str:
@@ -207,6 +213,7 @@ class SetFolder:
                 raise FingerprintError(
                     f"{self.url} holds parts but no {META_FILE}; remove it or use another OUT"
                 )
+            meta = meta.model_copy(update={"token": uuid.uuid4().hex})
             self.write_meta(meta)
             return meta
         if stored.fingerprint != meta.fingerprint:
@@ -253,7 +260,9 @@ class SetFolder:
                               "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
             return pl.from_arrow(empty).lazy()
         with storage.explained(self.url, "read"):
-            frame = pl.scan_parquet(urls, storage_options=storage.polars_options(self.url))
+            # the parts' own names, not patterns: an OUT named "run [1]" reads as it is
+            frame = pl.scan_parquet(urls, glob=False,
+                                    storage_options=storage.polars_options(self.url))
         return frame.select("id", "embedding")
 
     def write_part(self, shard: str, ids: pa.Array, vectors: np.ndarray) -> str:
@@ -305,13 +314,17 @@ class SetFolder:
         storage.write_json(self._marker_url(marker.shard), marker.model_dump(mode="json"))
 
     def read_markers(self) -> dict[str, ShardMarker]:
-        """Done markers by shard id. An unreadable marker is skipped (its shard is redone); a
-        marker naming a shard id that is not a plain name is refused with one line."""
+        """Done markers by shard id. A marker that is not one (damaged JSON, missing fields)
+        is skipped: its shard is redone. A marker that cannot be read (the store failed) is an
+        error, not a missing shard, or a run's end would drop a finished shard from the set's
+        record. A marker naming a shard id that is not a plain name is refused with one
+        line."""
         markers = {}
         for url in storage.list_files(self._at("_done"), ".json"):
+            raw = storage.read_bytes(url)
             try:
-                marker = ShardMarker.model_validate(storage.read_json(url))
-            except (StorageError, ValueError):
+                marker = ShardMarker.model_validate_json(raw)
+            except ValueError:
                 continue
             file_name(marker.shard, url)
             markers[marker.shard] = marker

@@ -30,11 +30,12 @@ def meta(name: str = "mean", fingerprint: str = "f1", id_type: str = "int64",
 
 def test_claim_creates_then_accepts_the_same_fingerprint(tmp_path):
     folder = SetFolder(str(tmp_path), "mean")
-    assert folder.claim(meta()) == meta()
-    assert folder.read_meta() == meta() == folder.meta()
-    stored = meta().model_copy(update={"generation": 3, "rows_written": 7})
+    created = folder.claim(meta())
+    assert created == meta().model_copy(update={"token": created.token}) and created.token
+    assert folder.read_meta() == created == folder.meta()
+    stored = created.model_copy(update={"generation": 3, "rows_written": 7})
     folder.write_meta(stored)
-    assert folder.claim(meta()) == stored  # progress is kept
+    assert folder.claim(meta()) == stored  # progress is kept, and the set's token
     assert list_sets(str(tmp_path)) == ["mean"]
     assert folder.meta().metric == "ip"
 
@@ -46,6 +47,14 @@ def test_claim_refuses_another_fingerprint_or_id_type(tmp_path):
         folder.claim(meta(fingerprint="f2"))
     with pytest.raises(FingerprintError, match="stores int64 ids, the corpus has string"):
         folder.claim(meta(id_type="string"))
+
+
+def test_a_set_made_again_under_its_name_gets_another_token(tmp_path):
+    first = SetFolder(str(tmp_path), "mean").claim(meta())
+    storage.remove(str(tmp_path / "sets" / "mean"), recursive=True)
+    again = SetFolder(str(tmp_path), "mean").claim(meta())
+    assert first.token and again.token and first.token != again.token
+    assert first.generation == again.generation  # the token alone tells them apart
 
 
 def test_claim_refuses_parts_without_metadata(tmp_path):
@@ -105,6 +114,24 @@ def test_markers_round_trip_and_unreadable_ones_are_ignored(tmp_path):
     assert folder.read_markers() == {"a": marker}
     folder.remove_marker("a")
     assert folder.read_markers() == {}
+
+
+def test_a_marker_the_store_fails_to_read_is_an_error_not_a_missing_shard(tmp_path,
+                                                                           monkeypatch):
+    folder = SetFolder(str(tmp_path), "s")
+    folder.write_marker(ShardMarker(shard="a", file="f", first_group=0, end_group=2,
+                                    signature="x", rows=5, generation=1))
+    fs, _ = storage.filesystem(str(tmp_path))
+    real = type(fs).cat_file
+
+    def failing(self, path, *args, **kwargs):
+        if path.endswith("/_done/a.json"):
+            raise ConnectionResetError("connection reset by peer")
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat_file", failing)
+    with pytest.raises(StorageError, match=r"_done/a.json.*connection reset"):
+        folder.read_markers()
 
 
 def test_changes_file_layout(tmp_path):
@@ -263,9 +290,11 @@ def _check_scan(out: str, ids: list, vectors: np.ndarray) -> None:
     assert scan_set(out, "mean").filter(pl.col("id") > 3).collect().height == 2
 
 
-def test_scan_set_round_trips_a_local_set(tmp_path):
-    ids, vectors = _write_two_parts(str(tmp_path))
-    _check_scan(str(tmp_path), ids, vectors)
+@pytest.mark.parametrize("folder", ["out", "run [1]", "run[ab]", "x?y*"])
+def test_scan_set_round_trips_a_local_set(tmp_path, folder):
+    out = str(tmp_path / folder)  # the parts' paths are names, not glob patterns
+    ids, vectors = _write_two_parts(out)
+    _check_scan(out, ids, vectors)
 
 
 def test_scan_set_of_a_set_without_parts_is_empty_with_the_set_schema(tmp_path):
