@@ -276,8 +276,21 @@ def validate(ids: pa.Array, texts: pa.Array, start: int, drop_rows: frozenset[in
 _NOT_STRING = object()
 
 
+def plain_text(texts: pa.Array) -> pa.Array:
+    """A text column as plain (large) strings or binary where it is stored another way:
+    dictionary-encoded (pandas ``category``, polars ``Categorical``) or as views."""
+    if pa.types.is_dictionary(texts.type):
+        texts = texts.dictionary_decode()
+    if pa.types.is_string_view(texts.type):
+        return texts.cast(pa.large_string())
+    if pa.types.is_binary_view(texts.type):
+        return texts.cast(pa.large_binary())
+    return texts
+
+
 def _texts(texts: pa.Array) -> list:
     """Python values of the text column; anything that is not text becomes ``_NOT_STRING``."""
+    texts = plain_text(texts)
     if pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type):
         return texts.to_pylist()
     if pa.types.is_binary(texts.type) or pa.types.is_large_binary(texts.type):

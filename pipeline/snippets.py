@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import storage
+from pipeline.corpus import plain_text
 from pipeline.errors import EmbedpipeError
 
 SNIPPET_CHARS = 200
@@ -105,16 +106,19 @@ class SnippetStore:
         pf = storage.parquet_file(url)
         with storage.explained(url, "read"):
             texts = pf.read_row_group(group, columns=[self.text_column]).column(0)
-        self._cache[key] = texts.combine_chunks()
+        self._cache[key] = plain_text(texts.combine_chunks())
         while len(self._cache) > self._cache_groups:
             self._cache.popitem(last=False)
         return self._cache[key]
 
 
 def _kind(kind: pa.DataType) -> str:
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
     if pa.types.is_integer(kind):
         return "integer"
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+    if (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or pa.types.is_string_view(kind)):
         return "string"
     return str(kind)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from pipeline.corpus import describe, find_duplicates, read_shard, text_hash, validate
 from pipeline.errors import CorpusError, StorageError
 from pipeline.shards import plan_shards
+from pipeline.snippets import SnippetStore
 
 
 def test_describe_names_files_relative_to_the_corpus_root(tmp_path):
@@ -60,6 +62,31 @@ def test_text_that_is_not_a_string_is_skipped():
     assert binary.skipped_reasons == ["not_string", "null_text"]
     numbers = validate(pa.array([1, 2]), pa.array([5, 6]), 0, frozenset())
     assert numbers.skipped_reasons == ["not_string", "not_string"] and not numbers.texts
+
+
+TEXT_ENCODINGS = {
+    "dictionary": lambda p, t: pq.write_table(
+        pa.table({"id": [1, 2, 3, 4], "text": pa.array(t).dictionary_encode()}), p),
+    "polars categorical": lambda p, t: pl.DataFrame(
+        {"id": [1, 2, 3, 4], "text": pl.Series(t, dtype=pl.Categorical)}).write_parquet(p),
+    "string view": lambda p, t: pq.write_table(
+        pa.table({"id": [1, 2, 3, 4], "text": pa.array(t, pa.string_view())}), p),
+}
+
+
+@pytest.mark.parametrize("encoding", TEXT_ENCODINGS)
+def test_text_stored_dictionary_encoded_or_as_views_is_read_as_text(tmp_path, encoding):
+    texts = ["red apples", "green pears", None, "red apples"]
+    path = str(tmp_path / "c.parquet")
+    TEXT_ENCODINGS[encoding](path, texts)
+    info = describe(path, "id", "text")
+    [chunk] = read_shard(plan_shards(info.files, 100)[0], "id", "text", info.id_type)
+    assert chunk.texts == ["red apples", "green pears", "red apples"]
+    assert chunk.ids.to_pylist() == [1, 2, 4] and chunk.skipped == {"null_text": 1}
+    assert list(chunk.hashes) == [text_hash(t) for t in chunk.texts]
+    snippets = SnippetStore(path)  # search shows their texts too
+    assert snippets.check(pa.array([1, 2, 4])) is None
+    assert snippets.texts([2, 4]) == {2: "green pears", 4: "red apples"}
 
 
 @settings(max_examples=50, deadline=None)
