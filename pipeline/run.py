@@ -226,8 +226,12 @@ def needs_model(job: EmbedJob) -> bool:
 def _made_by(job: EmbedJob, keys: dict[str, str], id_type: str | None = None
              ) -> dict[str, SetMeta] | None:
     """Every set's stored metadata where each was made by a job of these ``keys`` (and ids
-    of ``id_type``, when known), else None."""
+    of ``id_type``, when known), else None. A set made from other corpus columns is refused
+    (``SetMeta.check_columns``): the keys do not hold the columns."""
     stored = {name: SetFolder(job.out, name).read_meta() for name in keys}
+    for meta in stored.values():
+        if meta is not None:
+            meta.check_columns(job.id_column, job.text_column, job.out)
     if all(m is not None and m.job_key == keys[n] and id_type in (None, m.id_type)
            for n, m in stored.items()):
         return stored
@@ -263,7 +267,7 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float,
     metas, deleted = {}, []
     for spec in job.poolers:
         metas[spec.name], gone = _finalize_set(SetFolder(job.out, spec.name), planned,
-                                               plan.generation[spec.name])
+                                               plan.generation[spec.name], job.corpus)
         deleted.append(gone)
     last = metas[job.poolers[-1].name] if metas else None  # every set holds the same rows
     return RunSummary(
@@ -282,10 +286,11 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float,
     )
 
 
-def _finalize_set(folder: SetFolder, planned: set[str], g: int) -> tuple[SetMeta, int]:
+def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
+                  ) -> tuple[SetMeta, int]:
     """One set at a run's end: retire its unplanned shards, write its changes file (when
-    generation ``g`` changed it) and ``_SET.json``; returns the new metadata and how many ids
-    left the set."""
+    generation ``g`` changed it) and ``_SET.json`` (the corpus where this run read it: search
+    joins snippets from there); returns the new metadata and how many ids left the set."""
     markers = folder.read_markers()
     _retire(folder, markers, planned, g)
     live = [m for sid, m in markers.items() if sid in planned]
@@ -300,6 +305,7 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int) -> tuple[SetMeta
             "rows_written": held.rows,
             "rows_skipped": held.skipped,
             "generation": g if changed else g - 1,
+            "corpus": corpus,
         }
     )
     if changed:

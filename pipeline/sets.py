@@ -85,6 +85,19 @@ class SetMeta(BaseModel):
                               "distance, which search here does not offer (cosine, dot, euclidean)")
         return "l2" if self.similarity == "euclidean" else "ip"
 
+    def check_columns(self, id_column: str, text_column: str, out: str) -> None:
+        """Refuse a job that reads other corpus columns than the set's vectors were made from:
+        its shards' markers would still match, and the set would keep (or mix) the old
+        column's vectors."""
+        if (self.id_column, self.text_column) != (id_column, text_column):
+            raise FingerprintError(
+                f"set {self.name!r} in {out} was made from the corpus columns "
+                f"{self.text_column!r} (ids {self.id_column!r}), this job reads "
+                f"{text_column!r} (ids {id_column!r}); pass --text-column "
+                f"{self.text_column} --id-column {self.id_column}, or use another set name "
+                "or OUT"
+            )
+
     @property
     def unit_search(self) -> bool:
         """Search scales vectors and queries to unit length: cosine over vectors the model
@@ -223,6 +236,7 @@ class SetFolder:
                 f"{meta.fingerprint} (model {meta.model}); use another set name or another OUT"
                 + int8_hint(stored.model_hash, meta.model_hash)
             )
+        stored.check_columns(meta.id_column, meta.text_column, self.out)
         if stored.id_type != meta.id_type:
             raise FingerprintError(
                 f"set {self.name!r} in {self.out} stores {stored.id_type} ids, the corpus has "

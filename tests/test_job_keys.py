@@ -149,3 +149,29 @@ def test_a_worker_whose_model_changed_after_planning_writes_nothing(
         embed_shard(plan.requests[0])
     assert SetFolder(str(tmp_path / "out"), "mean").read_markers() == {}
     assert not list((tmp_path / "out" / "sets" / "mean").glob("part-*"))
+
+
+def test_a_set_is_never_fed_from_other_corpus_columns_and_follows_a_moved_corpus(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.parquet", list(range(40)),
+                          [text_for(i) for i in range(40)],
+                          body=[text_for(i, "body") for i in range(40)])
+    out = tmp_path / "out"
+    run_library(job(corpus, out, tiny_model_dir))
+    before = read_set(out, "mean")
+    body = job(corpus, out, tiny_model_dir, text_column="body")
+    # the markers match the row groups whichever column is read: refused before any model
+    with pytest.raises(FingerprintError, match=r"columns 'text' \(ids 'id'\), this job reads "
+                                               r"'body' \(ids 'id'\)"):
+        _plan(body)
+    with pytest.raises(FingerprintError, match="pass --text-column text"):
+        run_library(body, verify=True)
+    assert same_vectors(read_set(out, "mean"), before)
+    assert SetFolder(str(out), "mean").meta().text_column == "text"
+
+    (tmp_path / "moved").mkdir()
+    moved = shutil.copy(corpus, tmp_path / "moved" / corpus.name)  # same name: same shards
+    summary = run_library(job(moved, out, tiny_model_dir))
+    assert summary.embedded == 0 and summary.shards_run == 0
+    assert SetFolder(str(out), "mean").meta().corpus == str(moved)  # snippets come from here
+    assert same_vectors(read_set(out, "mean"), before)
