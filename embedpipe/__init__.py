@@ -50,6 +50,7 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
     set's index in the same flow run. Returns the run summary (``line`` is the one-line
     summary; with ``index``, ``index`` holds each set's IndexResult as JSON).
     """
+    _installation()
     from pipeline.assembly import build_job, check_input, job_params
 
     job = build_job(corpus, out, config=config, poolers=poolers, **options)
@@ -71,6 +72,7 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
 def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | None = None,
              progress: bool = False, **options: Any) -> dict:
     """Add pooler sets to an ``out`` that has sets; without ``model``, their encoder is used."""
+    _installation()
     from pipeline.assembly import build_job, check_input, job_params
     from pipeline.errors import ConfigError
 
@@ -89,6 +91,7 @@ def index(out: str, set_name: str | None = None, *, kind: str = "auto",
           progress: bool = False) -> list[IndexResult]:
     """Catch up (or build) the index of one set, or of every set under ``out``, holding OUT's
     writer lease (``lease_wait``: seconds to wait for another writer)."""
+    _installation()
     from pipeline.index import IndexResult, parse_bytes
 
     parse_bytes(memory_budget)
@@ -104,6 +107,7 @@ def search(out: str, queries: str | Sequence[str], k: int = 10, *, set_name: str
            device: str | None = None, snippets: bool = True,
            trust_remote_code: bool = False) -> list[list[Hit]]:
     """The ``k`` best hits per query from a set's published index (no Prefect involved)."""
+    _installation()
     from pipeline.search import Searcher
 
     texts = [queries] if isinstance(queries, str) else list(queries)
@@ -121,6 +125,7 @@ def evaluate(out: str, queries: str, *, sets: Sequence[str] | None = None, k: in
     has no index), else its index; each result says which in ``search``. ``ranks_out`` writes
     the per-query ranks (set, search, k, query, doc_id, rank) as Parquet.
     """
+    _installation()
     from pipeline.evaluate import evaluate_sets
 
     return evaluate_sets(out, queries, sets=sets, k=k, exact=exact, ranks_out=ranks_out,
@@ -129,9 +134,19 @@ def evaluate(out: str, queries: str, *, sets: Sequence[str] | None = None, k: in
 
 def read_set(out: str, name: str) -> pl.LazyFrame:
     """A set's vectors as a polars LazyFrame (``id``, ``embedding``), local or ``s3://``."""
+    _installation()
     from pipeline.sets import scan_set
 
     return scan_set(out, name)
+
+
+def _installation() -> None:
+    """This installation's settings (``EMBEDPIPE_*``, ``EMBEDPIPE_CONFIG``) exported as the
+    command line exports them: the lease's TTL, the S3 endpoint and the cache dir that other
+    modules read from the environment."""
+    from pipeline.settings import load_settings
+
+    load_settings().export_env()
 
 
 def _load_model_while_the_api_starts(params: dict) -> None:

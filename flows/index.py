@@ -9,6 +9,7 @@ from flows.progress import phase_printer
 from pipeline.index import IndexRequest, index_set, list_sets
 from pipeline.index.plan import parse_bytes
 from pipeline.lease import writer_lease
+from pipeline.settings import load_settings
 
 
 @task(name="index-set", task_run_name="index {set_name}", cache_policy=NO_CACHE,
@@ -36,6 +37,7 @@ def index_flow(out: str, set_name: str | None = None, kind: str = "auto",
     """Index one set, or every set under OUT, holding OUT's writer lease (waiting up to
     ``lease_wait`` s for another writer); returns each set's IndexResult as JSON."""
     parse_bytes(memory_budget)  # a bad budget fails before any work
+    load_settings().export_env()  # the lease's TTL, S3 endpoint: as this installation sets them
     names = [set_name] if set_name else list_sets(out)
     if not names:
         from pipeline.errors import StorageError

@@ -13,7 +13,7 @@ from prefect import flow
 
 from flows.embed import embed_flow, nightly_flow
 from flows.index import index_set_task
-from pipeline.config import EmbedJob, parse
+from pipeline.assembly import resolve_job
 from pipeline.index.plan import parse_bytes
 from pipeline.lease import writer_lease
 
@@ -23,7 +23,7 @@ def embed_and_index_flow(job: dict, verify: bool = True, kind: str = "auto",
                          memory_budget: str = "4GB", progress: bool = False) -> dict:
     """Embed (incrementally when ``verify``), then bring each set's index up to date."""
     parse_bytes(memory_budget)  # a bad budget fails before any vector is computed
-    spec = parse(EmbedJob, job, "embedding job")
+    spec = resolve_job(job, keep_current=False)  # the lease's wait and TTL: as installed
     run = nightly_flow if verify else embed_flow
     with writer_lease(spec.out, "embed-and-index", wait=spec.lease_wait) as lease:
         summary = run(job, progress=progress)

@@ -163,6 +163,19 @@ def test_python_api_end_to_end(tmp_path, tiny_model_dir, prefect_api):
     assert frame.height == 10
 
 
+def test_the_api_runs_under_this_installations_settings_file(tmp_path, tiny_model_dir,
+                                                             prefect_api, monkeypatch):
+    out = embedded_set(tmp_path, tiny_model_dir)
+    settings = tmp_path / "embedpipe.toml"
+    settings.write_text("lease_ttl = 600\n")
+    monkeypatch.setenv("EMBEDPIPE_CONFIG", str(settings))
+    monkeypatch.setenv("EMBEDPIPE_LEASE_TTL", "60")
+    monkeypatch.delenv("EMBEDPIPE_LEASE_TTL")  # unset here, and again after the test
+    [result] = embedpipe.index(str(out), kind="flat")
+    assert result.action == "built"
+    assert json.loads((Path(out) / "_LEASE.json").read_text())["ttl"] == 600  # not 60
+
+
 def test_read_set_is_a_polars_frame_of_the_set(tmp_path, tiny_model_dir):
     out = embedded_set(tmp_path, tiny_model_dir)
     frame = embedpipe.read_set(str(out), "mean").collect()
