@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
+from pipeline.config import stable_hash
 from pipeline.errors import CorpusError, StorageError
 from pipeline.shards import FileLayout, Shard
 
@@ -59,6 +60,8 @@ def describe(url: str, id_column: str, text_column: str) -> CorpusInfo:
                 url=file_url,
                 group_rows=tuple(g.num_rows for g in groups),
                 group_bytes=tuple(g.total_byte_size for g in groups),
+                group_content=tuple(_group_content(g, (id_column, text_column))
+                                    for g in groups),
             )
         )
     kinds = {"int" if pa.types.is_integer(t) else "str" for t in id_types.values()}
@@ -70,6 +73,24 @@ def describe(url: str, id_column: str, text_column: str) -> CorpusInfo:
         raise CorpusError(f"corpus {url} is empty: {len(urls)} Parquet file(s), 0 rows")
     id_type = _common_type(set(id_types.values()), kinds)
     return CorpusInfo(url=url, files=tuple(layouts), id_type=id_type, rows=rows)
+
+
+def _group_content(group: pq.RowGroupMetaData, columns: tuple[str, str]) -> str:
+    """What the footer says of the content of a row group's id and text columns: their
+    compressed and plain sizes, and their statistics (min, max, nulls) where written. A file
+    rewritten in place with rows of the same sizes (other ids, texts of the same lengths)
+    almost always changes it; the per-row content hashes of ``--incremental`` are exact."""
+    found = {}
+    for j in range(group.num_columns):
+        chunk = group.column(j)
+        if chunk.path_in_schema in columns:
+            stats = chunk.statistics
+            found[chunk.path_in_schema] = [
+                chunk.total_compressed_size, chunk.total_uncompressed_size,
+                [stats.min, stats.max] if stats is not None and stats.has_min_max else None,
+                stats.null_count if stats is not None and stats.has_null_count else None,
+            ]
+    return stable_hash([found.get(c) for c in columns])
 
 
 def _footer(file_url: str) -> tuple[pq.FileMetaData, pa.Schema]:

@@ -400,6 +400,7 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
         first_group=shard.first_group,
         end_group=shard.end_group,
         signature=request.signature,
+        content=shard.content,
         rows=len(ids),
         skipped=skipped,
         generation=generation,

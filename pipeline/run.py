@@ -158,7 +158,8 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
     The corpus is checked before ``load_embedder`` is called: a bad corpus fails in seconds.
 
     ``verify`` (nightly runs) re-reads every shard and compares content hashes; otherwise a
-    shard whose marker matches its row-group signature is taken as done without reading it.
+    shard whose marker matches its row-group signature and content digest (what the footer
+    says of its id and text columns: sizes, statistics) is taken as done without reading it.
     """
     corpus = describe(job.corpus, job.id_column, job.text_column)
     shards = plan_shards(corpus.files, job.rows_per_shard)
@@ -178,7 +179,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
         work = [
             _set_work(shard, markers[name], metas[name])
             for name in metas
-            if verify or not _done(markers[name].get(shard.id), signature)
+            if verify or not _done(markers[name].get(shard.id), signature, shard.content)
         ]
         if work:
             requests.append(
@@ -243,8 +244,11 @@ def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:
     return [r for r in rows if shard.offset <= r < shard.offset + shard.rows]
 
 
-def _done(marker: ShardMarker | None, signature: str) -> bool:
-    return marker is not None and marker.signature == signature
+def _done(marker: ShardMarker | None, signature: str, content: str) -> bool:
+    """Whether ``marker`` says the shard of this row-group ``signature`` and ``content``
+    digest is done (a marker written before markers kept the digest: by its signature)."""
+    return (marker is not None and marker.signature == signature
+            and marker.content in (None, content))
 
 
 def _set_work(shard: Shard, markers: dict[str, ShardMarker], meta: SetMeta) -> SetWork:

@@ -115,6 +115,9 @@ class ShardMarker(BaseModel):
     first_group: int
     end_group: int
     signature: str
+    # the shard's content digest (``pipeline.shards.Shard.content``); None: written before
+    # markers kept it (the signature alone is then compared)
+    content: str | None = None
     rows: int
     skipped: dict[str, int] = {}
     generation: int  # the generation that last wrote the part

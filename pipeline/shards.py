@@ -16,7 +16,9 @@ groups before it, never on what follows, so:
   run that sees it reuses the vectors of the old range's unchanged rows and retires the old
   shard, so at most one shard per file is rewritten and nothing is embedded twice;
 * a file rewritten in place (same name, other rows) keeps its shard ids when its row-group
-  sizes stay the same; the per-row content hashes stored with each set find what changed.
+  sizes stay the same; a shard's content digest (the footer's sizes and statistics of its id
+  and text columns) tells a plain rerun to redo it, and the per-row content hashes stored
+  with each set (``--incremental``) find exactly what changed.
 
 A file stored as one huge row group becomes one shard: write corpora with row groups no
 larger than ``rows_per_shard`` to get parallelism (pyarrow: ``row_group_size=``).
@@ -40,7 +42,10 @@ class FileLayout(BaseModel):
     name: str  # path relative to the corpus root: stable if the corpus moves
     url: str
     group_rows: tuple[int, ...]
-    group_bytes: tuple[int, ...] = ()  # compressed bytes per row group (change detection)
+    group_bytes: tuple[int, ...] = ()  # plain bytes per row group (the footer's total_byte_size)
+    # per row group, a digest of what the footer says of its id and text columns' content
+    # (``pipeline.corpus``): sizes and statistics (change detection)
+    group_content: tuple[str, ...] = ()
 
 
 class Shard(BaseModel):
@@ -56,6 +61,7 @@ class Shard(BaseModel):
     offset: int = Field(ge=0)  # row number (within the file) of the first row
     rows: int = Field(ge=0)
     signature: str  # changes when the shard's row groups change size
+    content: str = ""  # changes when the footer's sizes or statistics of its columns change
 
     @property
     def groups(self) -> range:
@@ -98,6 +104,8 @@ def plan_shards(files: Sequence[FileLayout], rows_per_shard: int) -> list[Shard]
             sig = stable_hash(
                 [layout.name, layout.group_rows[first:end], layout.group_bytes[first:end]]
             )
+            content = (stable_hash(layout.group_content[first:end])
+                       if layout.group_content else "")
             shards.append(
                 Shard(
                     id=shard_id(layout.name, first, end),
@@ -108,6 +116,7 @@ def plan_shards(files: Sequence[FileLayout], rows_per_shard: int) -> list[Shard]
                     offset=offsets[first],
                     rows=offsets[end] - offsets[first],
                     signature=sig,
+                    content=content,
                 )
             )
     ids = [s.id for s in shards]

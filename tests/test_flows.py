@@ -284,3 +284,30 @@ def test_corrupt_row_group_fails_without_retries(tiny_model_dir, tmp_path, monke
         embed_flow(job(tmp_path / "c", tmp_path / "out", tiny_model_dir))
     assert "\n" not in str(info.value)
     assert faults.hits(str(tmp_path / "fp"), "read_shard") == 2  # no retry of the bad shard
+
+
+def test_a_file_rewritten_in_place_with_rows_of_the_same_sizes_is_redone(
+        tmp_path, tiny_model_dir):
+    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
+    write_corpus(corpus, [f"id{i:02d}" for i in range(20)],
+                 [f"text number {i:02d} alpha" for i in range(20)])
+    embed_flow(job(corpus, out, tiny_model_dir))
+    # other ids and texts of the same byte lengths: the same row groups, sizes and shard ids
+    write_corpus(corpus, [f"XX{i:02d}" for i in range(20)],
+                 [f"text number {i:02d} omega" for i in range(20)])
+    summary = embed_flow(job(corpus, out, tiny_model_dir))  # a plain rerun, not --incremental
+    assert (summary["shards_run"], summary["embedded"], summary["rows"]) == (1, 20, 20)
+    clean = tmp_path / "clean"
+    embed_flow(job(corpus, clean, tiny_model_dir))
+    assert same_vectors(read_set(out, "mean"), read_set(clean, "mean"), atol=1e-6)
+    assert embed_flow(job(corpus, out, tiny_model_dir))["shards_run"] == 0  # and then done
+
+
+def test_markers_written_before_the_content_digest_still_count(tmp_path, tiny_model_dir):
+    corpus = write_corpus(tmp_path / "c.parquet", list(range(20)), [text_for(i) for i in range(20)])
+    out = tmp_path / "out"
+    embed_flow(job(corpus, out, tiny_model_dir))
+    folder = SetFolder(str(out), "mean")
+    for marker in folder.read_markers().values():  # as an older embedpipe wrote them
+        folder.write_marker(marker.model_copy(update={"content": None}))
+    assert embed_flow(job(corpus, out, tiny_model_dir))["shards_run"] == 0  # no re-embedding
