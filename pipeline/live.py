@@ -1,13 +1,14 @@
 """Sets as served live: each new published generation is loaded in the background and swapped in.
 
 A ``LiveSets`` holds one ``Searcher`` per set. A poller thread reads each set's ``_INDEX.json``
-and ``_SET.json`` every ``interval_s``; when the published index token or the set generation
-differs from what is served, it builds the new ``Searcher`` (``Searcher.reloaded``: same model,
-index reloaded only when a new one was published, snippets re-read for new corpus rows) and
-warms it (one search, the corpus ids read) while the old one keeps answering, then swaps the
-reference in one assignment. A request takes its
-``Searcher`` once with ``get`` and uses it to the end, so it never sees half a swap; the old
-generation (index, id map, snippets) is freed once the last request holding it finishes.
+and ``_SET.json`` every ``interval_s``; when the published index token, the set generation or
+the set's token (the set was removed and made again) differs from what is served, it builds
+the new ``Searcher`` (``Searcher.reloaded``: same model, index reloaded only when a new one was
+published, snippets re-read for new corpus rows) and warms it (one search, the corpus ids
+read) while the old one keeps answering, then swaps the reference in one assignment. A
+request takes its ``Searcher`` once with ``get`` and uses it to the end, so it never sees half
+a swap; the old generation (index, id map, snippets) is freed once the last request holding
+it finishes.
 
 A failed reload leaves the old generation serving: it is logged, counted, kept in
 ``status()`` and retried when something new is published (or after ``retry_s``).
@@ -39,6 +40,9 @@ RETRY_S = 60.0
 NICE = 5  # the reload thread's nice value (Linux), below the request threads'
 
 
+Version = tuple[str, int, str | None]  # (index token, set generation, set token)
+
+
 @dataclass
 class ReloadState:
     """What the poller knows about one set: swaps made and the last failure (if any)."""
@@ -46,13 +50,13 @@ class ReloadState:
     swaps: int = 0
     failures: int = 0
     last_error: str | None = None
-    failed: tuple[str, int] | None = None  # the published version that failed, and when
+    failed: Version | None = None  # the published version that failed, and when
     failed_at: float = 0.0
 
 
-def served_version(searcher: Searcher) -> tuple[str, int]:
-    """(index token, set generation): what a ``Searcher`` was loaded from."""
-    return searcher.meta.token, searcher.set.generation
+def served_version(searcher: Searcher) -> Version:
+    """(index token, set generation, set token): what a ``Searcher`` was loaded from."""
+    return searcher.meta.token, searcher.set.generation, searcher.set.token
 
 
 def _warmed(searcher: Searcher) -> Searcher:
@@ -64,10 +68,14 @@ def _warmed(searcher: Searcher) -> Searcher:
     return searcher
 
 
-def published_version(out: str, name: str) -> tuple[str, int] | None:
-    """(index token, set generation) as published now; None while no index is published."""
+def published_version(out: str, name: str) -> Version | None:
+    """(index token, set generation, set token) as published now; None while no index is
+    published."""
     meta = read_meta(out, name)
-    return None if meta is None else (meta.token, SetFolder(out, name).meta().generation)
+    if meta is None:
+        return None
+    info = SetFolder(out, name).meta()
+    return meta.token, info.generation, info.token
 
 
 class LiveSets:
@@ -146,7 +154,7 @@ class LiveSets:
                  new.meta.token, new.meta.generation, new.meta.rows)
         self._on_swap(new)
 
-    def _failed(self, name: str, published: tuple[str, int] | None, exc: Exception) -> None:
+    def _failed(self, name: str, published: Version | None, exc: Exception) -> None:
         state = self.state[name]
         state.failures += 1
         state.failed, state.failed_at = published, time.monotonic()

@@ -142,8 +142,10 @@ class Searcher:
 
     @property
     def stale(self) -> bool:
-        """The set has changed since the index was built (run `embedpipe index` to catch up)."""
-        return SetFolder(self.out, self.name).meta().generation > self.meta.generation
+        """The set has changed since the index was built: a new generation, or the set was
+        removed and made again (another token); `embedpipe index` brings the index up to date."""
+        now = SetFolder(self.out, self.name).meta()
+        return now.token != self.meta.set_token or now.generation != self.meta.generation
 
     def reloaded(self) -> Searcher:
         """This set as published now, reusing this one's model and (if unchanged) index."""

@@ -1,12 +1,14 @@
 """Writing embedding sets for index tests, following the on-disk contract (COMMON.md).
 
 ``OUT/sets/<set>/part-*.parquet`` (id, embedding), ``_SET.json`` and ``_changes/<g>.json``.
-Vectors are synthetic: clustered (for recall of approximate kinds) or exactly known.
+Like ``SetFolder.claim``, ``write_set`` gives each set it makes a fresh ``token``. Vectors
+are synthetic: clustered (for recall of approximate kinds) or exactly known.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +47,9 @@ def meta(name: str, dim: int, normalize: bool = True, generation: int = 1,
 def write_set(out: Path, name: str, ids, vectors: np.ndarray, parts: int = 3,
               normalize: bool = True, generation: int = 1, changes: bool = True,
               row_group: int = 1000, **extra) -> list[str]:
-    """Write a whole set (split into ``parts``); returns the part names."""
+    """Write a whole set (split into ``parts``) with a fresh token unless ``extra`` names
+    one; returns the part names."""
+    extra.setdefault("token", uuid.uuid4().hex)
     folder = out / "sets" / name
     folder.mkdir(parents=True, exist_ok=True)
     ids = list(ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -42,7 +43,7 @@ def embedded_set(root: Path, model_dir: Path, name: str = "mean", texts=TEXTS,
         "pooler": spec.model_dump(mode="json"), "dim": int(vectors.shape[1]),
         "dtype": "fp32", "normalize": spec.normalize, "max_length": emb.info.max_length,
         "window": None, "generation": 1, "id_type": "int64", "corpus": str(corpus),
-        "id_column": "id", "text_column": "text",
+        "id_column": "id", "text_column": "text", "token": uuid.uuid4().hex,
     })
     write_changes(out, name, 1, ["part-00000.parquet"], [])
     return out

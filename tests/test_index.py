@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from pipeline import storage
 from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.index import IndexRequest, index_set, open_index, read_meta, store
 from pipeline.index import plan as plan_module
+from pipeline.index.handle import hnsw_of, ivf_of
 
 
 def build(out: Path, name: str = "s", **kw):
@@ -145,8 +147,8 @@ def test_missing_changes_file_or_rebuild_flag_means_a_full_build(tmp_path):
 def test_index_refuses_a_set_of_another_fingerprint_or_dimension(tmp_path):
     x = clustered(500, 8, seed=12)
     parts = write_set(tmp_path, "s", [f"d{i}" for i in range(500)], x)
-    build(tmp_path)
-    write_meta(tmp_path, "s", meta("s", 8, fingerprint="fp-other", generation=2))
+    token = build(tmp_path).meta.set_token
+    write_meta(tmp_path, "s", meta("s", 8, fingerprint="fp-other", generation=2, token=token))
     with pytest.raises(FingerprintError, match=r"fp-test .* now has fp-other.*--rebuild"):
         build(tmp_path)
     write_part(tmp_path, "s", parts[0], ["x"], np.ones((1, 4), "f4"))
@@ -207,6 +209,129 @@ def test_index_on_s3_builds_locally_uploads_and_loads_through_a_cache(
     assert (caught.action, caught.meta.rows) == ("caught up", 1_499), caught.reason
     top = open_index(out, store.read_meta(out, "s")).search(x[:1], 3)[0]
     assert "d0" not in [i for i, _ in top]
+
+
+def test_hnsw_catch_up_never_reuses_the_labels_of_masked_rows(tmp_path):
+    x = clustered(1_000, 16, seed=16)
+    parts = write_set(tmp_path, "s", list(range(1_000)), x, parts=10)
+    first = build(tmp_path, kind="hnsw").meta
+    fresh = clustered(100, 16, seed=17)  # the rows with the highest labels are rewritten
+    write_part(tmp_path, "s", parts[9], range(900, 1_000), fresh)
+    bump(tmp_path, "s", [parts[9]], [])
+    m = build(tmp_path).meta
+    handle = open_index(str(tmp_path), m)
+    # The old vectors are masked: a query equal to one finds no row with its score.
+    for row in handle.search(x[900:], 5):
+        assert all(score < 0.999 for _, score in row)
+    assert [r[0][0] for r in handle.search(fresh, 1)] == list(range(900, 1_000))
+    assert handle.idmap.labels[900:].tolist() == list(range(1_000, 1_100))
+    assert (first.next_label, m.mode, m.rows, m.masked, m.next_label) == (
+        1_000, "catch-up", 1_000, 100, 1_100)
+    # Deleting the top rows lowers the id map's highest label, never the high-water mark.
+    (tmp_path / "sets" / "s" / parts[9]).unlink()
+    bump(tmp_path, "s", [], list(range(900, 1_000)))
+    added = clustered(50, 16, seed=18)
+    write_part(tmp_path, "s", "part-00010.parquet", range(2_000, 2_050), added)
+    bump(tmp_path, "s", ["part-00010.parquet"], [])
+    m = build(tmp_path).meta
+    assert (m.mode, m.rows, m.masked, m.next_label) == ("catch-up", 950, 200, 1_150)
+    handle = open_index(str(tmp_path), m)
+    assert handle.idmap.labels[900:].tolist() == list(range(1_100, 1_150))
+    assert [r[0][0] for r in handle.search(added, 1)] == list(range(2_000, 2_050))
+    for row in handle.search(np.vstack([x[900:], fresh]), 5):
+        assert all(score < 0.999 for _, score in row)
+
+
+def test_an_old_index_with_masked_rows_and_no_high_water_mark_is_rebuilt(tmp_path):
+    x = clustered(600, 16, seed=19)
+    parts = write_set(tmp_path, "s", list(range(600)), x, parts=6)
+    build(tmp_path, kind="hnsw")
+    marker = tmp_path / "index" / "s" / "_INDEX.json"
+
+    def forget_high_water_mark() -> None:  # as an embedpipe before the field wrote it
+        marker.write_text(json.dumps(json.loads(marker.read_text()) | {"next_label": None}))
+
+    forget_high_water_mark()  # no masked rows: catching up is safe
+    write_part(tmp_path, "s", parts[5], range(500, 600), clustered(100, 16, seed=20))
+    bump(tmp_path, "s", [parts[5]], [])
+    caught = build(tmp_path)
+    assert (caught.action, caught.meta.masked, caught.meta.next_label) == ("caught up", 100, 700)
+    forget_high_water_mark()  # 100 masked rows whose labels nothing records
+    bump(tmp_path, "s", [parts[5]], [])
+    result = build(tmp_path)
+    assert (result.action, result.meta.mode, result.meta.masked) == ("built", "full", 0)
+    assert "100 masked rows but no label high-water mark" in result.reason
+    assert result.meta.next_label == 600
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"next_label": 599}))
+    with pytest.raises(StorageError, match=r"_INDEX.json: next_label 599 is not between ntotal "
+                                           r"600 and \d+; rebuild"):
+        build(tmp_path)
+
+
+def test_a_set_removed_and_made_again_is_rebuilt_not_reported_up_to_date(tmp_path):
+    write_set(tmp_path, "s", [f"old{i}" for i in range(500)], clustered(500, 8, seed=21))
+    first = build(tmp_path).meta
+    shutil.rmtree(tmp_path / "sets" / "s")  # same name, fingerprint and generation
+    y = clustered(300, 8, seed=22)
+    write_set(tmp_path, "s", [f"new{i}" for i in range(300)], y)
+    result = build(tmp_path)
+    assert (result.action, result.reason, result.meta.rows) == (
+        "built", "the set was replaced", 300)
+    made = json.loads((tmp_path / "sets/s/_SET.json").read_text())["token"]
+    assert result.meta.set_token == made != first.set_token
+    assert open_index(str(tmp_path), result.meta).search(y[:1], 1)[0][0][0] == "new0"
+    assert build(tmp_path).action == "up to date"
+    # A set from before sets had tokens, made again behind its index's generation: rebuilt.
+    write_set(tmp_path, "s", [f"d{i}" for i in range(300)], y, generation=3, token=None)
+    assert build(tmp_path).action == "built"
+    write_set(tmp_path, "s", [f"d{i}" for i in range(300)], y, generation=1, token=None)
+    result = build(tmp_path)
+    assert (result.action, result.reason) == ("built", "the set was replaced (the index is at "
+                                              "generation 3, the set at 1)")
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_a_large_k_returns_k_hits_whatever_the_tuning(tmp_path, kind):
+    x = clustered(4_000, 16, seed=23)
+    write_set(tmp_path, "s", list(range(4_000)), x, parts=2)
+    m = build(tmp_path, kind=kind).meta
+    assert m.params and max(m.params.values()) < 100  # tuned for recall@10 only
+    handle = open_index(str(tmp_path), m)
+    for k in (100, 1_000, 4_000):
+        for row in handle.search(x[:5], k):
+            assert len(row) == k and len({i for i, _ in row}) == k
+    tuned = hnsw_of(handle.index).hnsw.efSearch if kind == "hnsw" else ivf_of(handle.index).nprobe
+    assert {**m.params} == {("efSearch" if kind == "hnsw" else "nprobe"): tuned}  # untouched
+
+
+@pytest.mark.parametrize(("params", "says"), [
+    ({"bogus": 1}, "unknown search parameter 'bogus' (this index takes: efSearch)"),
+    ({"efSearch": 2**40}, "efSearch=1099511627776 is not an integer in 1..65536"),
+    ({"nprobe": 4}, "unknown search parameter 'nprobe'"),
+    ({"efSearch": 0}, "efSearch=0 is not an integer in 1..65536"),
+])
+def test_bad_params_in_index_json_are_one_line_storage_errors(tmp_path, params, says):
+    write_set(tmp_path, "s", list(range(200)), clustered(200, 8, seed=24), parts=2)
+    build(tmp_path, kind="hnsw")
+    marker = tmp_path / "index" / "s" / "_INDEX.json"
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"params": params}))
+    with pytest.raises(StorageError) as caught:
+        open_index(str(tmp_path), read_meta(str(tmp_path), "s"))
+    assert str(caught.value).startswith(f"{marker}: params: ")
+    assert says in str(caught.value) and len(str(caught.value).splitlines()) == 1
+
+
+def test_ivf_params_are_bounded_by_the_number_of_lists(tmp_path):
+    write_set(tmp_path, "s", list(range(2_000)), clustered(2_000, 8, seed=25), parts=2)
+    m = build(tmp_path, kind="ivf").meta
+    marker = tmp_path / "index" / "s" / "_INDEX.json"
+    nlist = store.load(str(tmp_path), m)[0].nlist
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"params": {"nprobe": nlist}}))
+    assert open_index(str(tmp_path), read_meta(str(tmp_path), "s")).params == {"nprobe": nlist}
+    marker.write_text(json.dumps(json.loads(marker.read_text())
+                                 | {"params": {"nprobe": nlist + 1}}))
+    with pytest.raises(StorageError, match=rf"nprobe={nlist + 1} is not an integer in 1..{nlist}"):
+        open_index(str(tmp_path), read_meta(str(tmp_path), "s"))
 
 
 _OUT_OF_MEMORY = """

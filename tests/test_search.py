@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from _search_sets import TEXTS, embedded_set
 from flows.cli import main
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.index import IndexRequest, index_set
+from pipeline.live import LiveSets
 from pipeline.search import Searcher
 
 
@@ -71,6 +73,30 @@ def test_an_index_of_other_vectors_is_refused(tmp_path, tiny_model_dir):
     index_set(IndexRequest(out=str(out), set_name="mean", rebuild=True), say=lambda _: None)
     with pytest.raises(FingerprintError, match="load as .* re-embed the set"):
         Searcher(str(out))
+
+
+def test_a_replaced_set_is_stale_and_followed_live_until_its_index_is_rebuilt(tmp_path,
+                                                                              tiny_model_dir):
+    out = embedded_set(tmp_path, tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    first = Searcher(str(out))
+    live = LiveSets({"mean": first}, interval_s=0)
+    assert not first.stale
+    shutil.rmtree(out / "sets" / "mean")  # made again: same name, model and generation
+    embedded_set(tmp_path, tiny_model_dir, texts=TEXTS[:10])
+    assert first.stale
+    live.poll()  # the new set is served (with the old index) and known to be stale
+    second = live.get("mean")
+    assert second is not first and second.meta.token == first.meta.token
+    assert second.set.token != first.set.token and second.stale
+    result = index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    assert (result.action, result.reason, result.meta.rows) == (
+        "built", "the set was replaced", 10)
+    live.poll()
+    third = live.get("mean")
+    assert third.meta.token == result.meta.token and not third.stale
+    hits = third.search([TEXTS[3]], k=20)[0]
+    assert hits[0].id == 103 and sorted(h.id for h in hits) == list(range(100, 110))
 
 
 @pytest.mark.slow

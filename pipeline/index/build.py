@@ -5,6 +5,11 @@ that train, held-back query rows for tuning), once to add every row in batches w
 exact top-10 of the query rows is accumulated on the same batches. Catch-up applies the
 set's ``_changes`` files since the index's generation (drop deleted ids and every id of a
 listed part, add the listed parts' rows), then re-measures recall and re-tunes.
+
+New rows get labels from the index's high-water mark (``IndexMeta.next_label``), never from
+the id map alone: a row an HNSW index cannot remove stays in it, masked, under its label.
+An index of a set that was since removed and made again (another ``SetMeta.token``) is
+rebuilt, never caught up.
 """
 
 from __future__ import annotations
@@ -86,15 +91,14 @@ def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
         reason = "asked to rebuild" if current is not None else "no index yet"
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
                            reason=reason)
+    replaced = _replaced(current, info)
+    if replaced:
+        return IndexResult(meta=_full(req, info, budget, current, say), action="built",
+                           reason=replaced)
     _check_same_vectors(req, info, current)
     if req.kind not in ("auto", current.kind, current.factory):
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
                            reason=f"kind changed from {current.kind} to {req.kind}")
-    if current.generation > info.generation:
-        raise StorageError(
-            f"index of set {info.name!r} is at generation {current.generation} but the set is "
-            f"at {info.generation}; the set was replaced: rerun with --rebuild"
-        )
     changes = _changes_since(req.out, info, current.generation)
     if changes is None:
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
@@ -116,6 +120,16 @@ def _current(req: IndexRequest) -> store.IndexMeta | None:
         if req.rebuild:
             return None
         raise
+
+
+def _replaced(current: store.IndexMeta, info: SetMeta) -> str:
+    """Why the index is of an earlier set of this name ("" when it is of this one)."""
+    if current.set_token != info.token:
+        return "the set was replaced"
+    if current.generation > info.generation:  # a set made before sets had tokens
+        return (f"the set was replaced (the index is at generation {current.generation}, "
+                f"the set at {info.generation})")
+    return ""
 
 
 def _check_same_vectors(req: IndexRequest, info: SetMeta, current: store.IndexMeta) -> None:
@@ -172,7 +186,7 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     handle = IndexHandle(index, idmap, {})
     params, recall, tried = tune(handle, queries, exact.result(), req.recall_target)
     meta = _meta(req, info, budget, plan.memory_estimate, handle, previous, started,
-                 kind=plan.kind, factory=plan.factory, mode="full")
+                 kind=plan.kind, factory=plan.factory, mode="full", next_label=idmap.next_label)
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
     meta = store.publish(req.out, index, idmap, meta)
@@ -219,7 +233,7 @@ def _refuse_duplicates(idmap: IdMap, info: SetMeta, out: str) -> None:
 
 def _meta(req: IndexRequest, info: SetMeta, budget: int, estimate: int, handle: IndexHandle,
           previous: store.IndexMeta | None, started: float, kind: str, factory: str,
-          mode: str) -> store.IndexMeta:
+          mode: str, next_label: int) -> store.IndexMeta:
     token = store.new_token()
     return store.IndexMeta(
         name=info.name, kind=kind, factory=factory, metric=info.metric, dim=info.dim,
@@ -229,7 +243,8 @@ def _meta(req: IndexRequest, info: SetMeta, budget: int, estimate: int, handle: 
         memory_estimate=estimate, index_file=f"index-{token}.faiss",
         idmap_file=f"idmap-{token}.parquet", token=token,
         previous_token=previous.token if previous else None, mode=mode, built_at=time.time(),
-        build_seconds=round(time.perf_counter() - started, 3),
+        build_seconds=round(time.perf_counter() - started, 3), next_label=next_label,
+        set_token=info.token,
     )
 
 
@@ -242,6 +257,11 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     """Apply changes to the current index; (None, why) when a full build is the better path."""
     started = time.perf_counter()
     index, idmap = store.load(req.out, current)
+    first = _first_free_label(current, index, idmap)
+    if first is None:
+        return None, (f"the index holds {int(index.ntotal) - len(idmap):,} masked rows but no "
+                      "label high-water mark (an older embedpipe made it): their labels could "
+                      "be handed out again")
     folder = SetFolder(req.out, info.name)
     names = sorted({name for change in changes for name in change.parts})
     deleted = [i for change in changes for i in change.deleted_ids]
@@ -253,7 +273,7 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     removed = remove(index, dropped)
     added = 0
     for ids, vectors in touched.iter_batches(req.batch_rows):
-        labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
+        labels = np.arange(first + added, first + added + len(ids), dtype=np.int64)
         index.add_with_ids(vectors, labels)
         idmap.append(labels, ids)
         added += len(ids)
@@ -276,11 +296,20 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     if recall < req.recall_target <= current.recall_at_10 and ivf_of(index) is not None:
         return None, f"recall@10 fell to {recall:.3f} after catch-up; retraining"
     meta = _meta(req, info, budget, current.memory_estimate, handle, current, started,
-                 kind=current.kind, factory=current.factory, mode="catch-up")
+                 kind=current.kind, factory=current.factory, mode="catch-up",
+                 next_label=first + added)
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
     meta = store.publish(req.out, index, idmap, meta)
     return meta, f"+{added:,} -{len(dropped):,} rows"
+
+
+def _first_free_label(current: store.IndexMeta, index: faiss.Index, idmap: IdMap) -> int | None:
+    """The first label above every one in the index, masked ones too; None where unknown (an
+    index from before the high-water mark was recorded that holds masked rows)."""
+    if current.next_label is not None:
+        return max(current.next_label, idmap.next_label)
+    return idmap.next_label if int(index.ntotal) == len(idmap) else None
 
 
 def _exact_truth(data: SetVectors, info: SetMeta, queries: np.ndarray, idmap: IdMap,

@@ -1,8 +1,13 @@
 """The id map: FAISS int64 labels back to corpus ids, stored as Parquet (``label``, ``id``).
 
-Labels are handed out in increasing order and never reused, so the live labels stay sorted
-and a label -> id lookup is a binary search. A label missing from the map is dead (its row
-was deleted or rewritten): search drops it even where the index itself cannot remove it.
+Labels are appended in increasing order, so the live labels stay sorted and a label -> id
+lookup is a binary search. A label missing from the map is dead (its row was deleted or
+rewritten): search drops it even where the index itself cannot remove it (HNSW masks it).
+
+The map knows only live labels: ``next_label`` is one past the highest LIVE one, and a dead
+label above it may still be in the index. So a label is never handed out twice only because
+builds take labels from the index's high-water mark (``IndexMeta.next_label``, which never
+goes down), not from the map alone.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class IdMap:
 
     @property
     def next_label(self) -> int:
+        """One past the highest live label (not a high-water mark: see the module's doc)."""
         return int(self.labels[-1]) + 1 if len(self.labels) else 0
 
     def append(self, labels: np.ndarray, ids: pa.Array) -> None:

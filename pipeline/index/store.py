@@ -10,6 +10,8 @@ Nothing in ``_INDEX.json`` is trusted: the set name must be the folder's, the to
 name and the file names ``index-<token>.faiss`` / ``idmap-<token>.parquet``, so no path built
 from it leaves ``OUT/index/<set>/`` or the cache; and the SHA-256 it records of each file is
 checked before FAISS or Arrow reads a byte of it (a changed file fails, naming the file).
+``next_label`` must lie between ``ntotal`` and ``MAX_LABEL``, and ``params`` may name only the
+search parameters the loaded index takes, each within its bounds.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
 from pipeline.errors import StorageError
+from pipeline.index.handle import params_problem
 from pipeline.index.idmap import IdMap
 from pipeline.names import file_name, set_name
 from pipeline.settings import cache_root
 
 MARKER = "_INDEX.json"
 _CHUNK = 1 << 22
+MAX_LABEL = 1 << 62  # labels are int64: far below the overflow of any arithmetic on them
 
 
 class IndexMeta(BaseModel):
@@ -64,6 +68,12 @@ class IndexMeta(BaseModel):
     index_sha256: str | None = None  # set by ``publish``; required when read back
     idmap_sha256: str | None = None
     mode: str  # "full" or "catch-up"
+    # the label high-water mark: one past every label ever put in the index (masked ones
+    # too), so none is handed out twice; None: written before embedpipe recorded it
+    next_label: int | None = None
+    # the ``token`` of the set the index was built from (``SetMeta.token``): another one means
+    # the set was removed and made again since
+    set_token: str | None = None
     built_at: float
     build_seconds: float
 
@@ -95,6 +105,11 @@ def _checked(meta: IndexMeta, name: str, url: str) -> IndexMeta:
         raise StorageError(
             f"{url} names files {files[0]!r} and {files[1]!r}; expected "
             f"index-{meta.token}.faiss and idmap-{meta.token}.parquet"
+        )
+    if meta.next_label is not None and not meta.ntotal <= meta.next_label <= MAX_LABEL:
+        raise StorageError(
+            f"{url}: next_label {meta.next_label} is not between ntotal {meta.ntotal} and "
+            f"{MAX_LABEL}; rebuild with `embedpipe index ... --set {name} --rebuild`"
         )
     if not (_is_sha256(meta.index_sha256) and _is_sha256(meta.idmap_sha256)):
         raise StorageError(
@@ -219,7 +234,8 @@ def _download(src: str, meta: IndexMeta, parent: Path, target: Path) -> None:
 
 
 def load(out: str, meta: IndexMeta) -> tuple[faiss.Index, IdMap]:
-    """The index and id map of ``meta``, read only after their checksums matched."""
+    """The index and id map of ``meta``, read only after their checksums matched; its
+    ``params`` checked against the index they are for."""
     index_path, idmap_path = local_files(out, meta)
     with storage.explained(str(index_path), "read"):
         try:
@@ -227,4 +243,9 @@ def load(out: str, meta: IndexMeta) -> tuple[faiss.Index, IdMap]:
         except RuntimeError as exc:
             raise StorageError(f"cannot read FAISS index {index_path}: {exc}") from None
         table = pq.read_table(idmap_path)
+    problem = params_problem(index, meta.params)
+    if problem:
+        marker = storage.join(index_url(out, set_name(meta.name)), MARKER)
+        raise StorageError(f"{marker}: params: {problem}; rebuild the index with "
+                           f"`embedpipe index {out} --set {meta.name} --rebuild`")
     return index, IdMap.from_table(table, str(idmap_path))
