@@ -42,8 +42,8 @@ def load_queries(url: str) -> pl.DataFrame:
             f"{url} has no column {', '.join(missing)} (its columns: "
             f"{', '.join(table.column_names)})"
         )
-    frame = pl.from_arrow(table.select(["query", "doc_id"]))
-    if frame.schema["query"] not in (pl.String, pl.Categorical):
+    frame = _decoded(pl.from_arrow(table.select(["query", "doc_id"])))
+    if frame.schema["query"] != pl.String:
         raise CorpusError(f"{url}: column query is {frame.schema['query']}, not text")
     frame = (frame.filter(pl.col("query").str.strip_chars().str.len_chars() > 0,
                           pl.col("doc_id").is_not_null())
@@ -51,6 +51,12 @@ def load_queries(url: str) -> pl.DataFrame:
     if frame.is_empty():
         raise CorpusError(f"{url} has no rows with a non-empty query and a doc_id")
     return frame
+
+
+def _decoded(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with dictionary-encoded (Categorical or Enum) columns as plain strings, so that
+    string operations and joins see the same type whichever way the file stored its text."""
+    return frame.with_columns(pl.col(pl.Categorical, pl.Enum).cast(pl.String))
 
 
 def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: int = 10,

@@ -1,4 +1,5 @@
-"""`embedpipe serve` in a subprocess on a free loopback port, waited for and stopped cleanly."""
+"""`embedpipe serve` in a subprocess on a free loopback port, waited for and stopped cleanly;
+or an app made in the test, served by uvicorn in a thread (for tests that reach into it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -64,3 +66,26 @@ def _wait_healthy(base: str, proc: subprocess.Popen, log) -> None:
             proc.wait()
             raise RuntimeError(f"server did not start: {log()[-2000:]}")
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def serving_app(app):
+    """Yield the base URL of ``app`` served by uvicorn on a free loopback port, in a thread of
+    this process (its lifespan runs: start, then stop on exit)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60  # a hang guard, not a timing
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

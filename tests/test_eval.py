@@ -113,3 +113,27 @@ def test_eval_command_scores_sets_as_table_json_and_png(tmp_path, tiny_model_dir
                                 "ndcg@10"]
     row = table[1].split()
     assert row[:4] == ["mean", "10", "index", "0.0000"] and float(row[6]) < 1.0
+
+
+def test_dictionary_encoded_query_and_doc_id_columns_are_read_as_text(tmp_path):
+    path = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"query": pa.array(["a", " ", "b", "a"]).dictionary_encode(),
+                             "doc_id": pa.array(["1", "2", "3", "1"]).dictionary_encode()}), path)
+    frame = load_queries(str(path))
+    assert frame.schema == {"query": pl.String, "doc_id": pl.String}
+    assert frame.rows() == [("a", "1"), ("b", "3")]
+
+
+@pytest.mark.parametrize("search", ["--exact", "--no-exact"])
+def test_eval_scores_a_dictionary_encoded_queries_file(tmp_path, tiny_model_dir, capsys, search):
+    out = embedded_set(tmp_path, tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    queries = tmp_path / "queries.parquet"  # as pandas writes a category column
+    pq.write_table(pa.table({"query": pa.array(TEXTS[:6]).dictionary_encode(),
+                             "doc_id": pa.array(list(range(100, 106))).dictionary_encode()}),
+                   queries)
+    assert pq.read_schema(queries).field("query").type == pa.dictionary(pa.int32(), pa.string())
+    assert main(["eval", str(out), str(queries), "--set", "mean", "-k", "3", "--json",
+                 search]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["queries"] == 6 and result["scores"]["recall@1"] == 1.0

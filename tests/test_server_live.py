@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from _index_sets import bump, write_part
 from _search_sets import TEXTS, embedded_set
-from _serve import cli_env, serving
+from _serve import cli_env, serving, serving_app
 
 from pipeline.index import IndexRequest, index_set, read_meta
 from pipeline.live import LiveSets
@@ -163,6 +163,42 @@ def test_a_new_set_that_fails_to_load_is_retried_later_and_the_others_serve_on(
     live.poll()  # within retry_s: not tried again
     assert tried == ["broken"] and live.names == ["mean"]
     assert live.get("mean").search([TEXTS[3]], k=1)[0][0].id == 103
+
+
+def _by_set(base: str, name: str) -> dict[str, float]:
+    """The samples of metric ``name`` on the server's /metrics, by set."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics").text
+    return {s.labels["set"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
+
+
+def test_metrics_count_each_swap_as_a_reload_but_not_a_new_sets_first_load(first_generation,
+                                                                         tiny_model_dir):
+    from pipeline.server import ServerConfig, create_app
+
+    out = first_generation
+    app = create_app(ServerConfig(out=str(out), default_set="mean", reload_interval_s=0))
+    live = app.state.live  # no reload thread: the test polls by hand
+    with serving_app(app) as base:
+        assert _by_set(base, "embedpipe_reloads_total") == {"mean": 0.0}
+        add_rows(out, live.get("mean"), TEXTS[FIRST:], 100 + FIRST, "part-00001.parquet")
+        live.poll()  # new rows: a new set generation swapped in
+        assert _by_set(base, "embedpipe_reloads_total") == {"mean": 1.0}
+        reindex(out)
+        live.poll()  # a new index
+        assert _by_set(base, "embedpipe_reloads_total") == {"mean": 2.0}
+        assert _by_set(base, "embedpipe_index_generation") == {"mean": 2.0}
+        assert httpx.get(f"{base}/health").json()["sets"]["mean"]["reload"]["swaps"] == 2
+
+        embedded_set(out.parent, tiny_model_dir, name="cls", texts=TEXTS[:FIRST],
+                     strategy="cls")
+        index_set(IndexRequest(out=str(out), set_name="cls"), say=lambda _: None)
+        live.poll()  # a newly indexed set: served, its first load is no reload
+        assert _by_set(base, "embedpipe_reloads_total") == {"mean": 2.0, "cls": 0.0}
+        assert _by_set(base, "embedpipe_reload_failures_total") == {"mean": 0.0, "cls": 0.0}
+        assert _by_set(base, "embedpipe_index_rows") == {"mean": len(TEXTS), "cls": FIRST}
 
 
 def _cli(*commands: list[str]) -> str:

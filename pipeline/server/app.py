@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request, Response
@@ -97,13 +98,11 @@ def _live_sets(config: ServerConfig, metrics: ServerMetrics) -> tuple[LiveSets, 
         if searcher.snippet_note:
             log.warning("%s", searcher.snippet_note)
     live = LiveSets(searchers,
-                    config.reload_interval_s, on_swap=lambda s: _served(metrics, s),
+                    config.reload_interval_s, on_swap=_swapped(metrics, names),
                     on_failure=lambda n: metrics.reload_failures.labels(n).inc(),
                     discover=None if config.sets else indexed, load=load)  # named: those only
     for name in names:
-        _served(metrics, live.get(name))
-        metrics.reloads.labels(name)
-        metrics.reload_failures.labels(name)
+        _first_served(metrics, live.get(name))
     return live, default
 
 
@@ -117,6 +116,29 @@ def serve(config: ServerConfig, host: str, port: int) -> None:
     uvicorn.run(create_app(config), host=host, port=port, log_level="info", log_config=logs,
                 limit_concurrency=config.max_connections,
                 timeout_keep_alive=config.keep_alive_s)
+
+
+def _swapped(metrics: ServerMetrics, names: list[str]) -> Callable[[Searcher], None]:
+    """``LiveSets``' ``on_swap``: a new generation of a served set counts as a reload; a set
+    indexed after the start, served for the first time, does not."""
+    served = set(names)
+
+    def on_swap(searcher: Searcher) -> None:
+        if searcher.name in served:
+            metrics.reloads.labels(searcher.name).inc()
+            _served(metrics, searcher)
+        else:
+            served.add(searcher.name)
+            _first_served(metrics, searcher)
+
+    return on_swap
+
+
+def _first_served(metrics: ServerMetrics, searcher: Searcher) -> None:
+    """What a set's first generation shows: its gauges, and its reload counters at 0."""
+    _served(metrics, searcher)
+    metrics.reloads.labels(searcher.name)
+    metrics.reload_failures.labels(searcher.name)
 
 
 def _served(metrics: ServerMetrics, searcher: Searcher) -> None:

@@ -1,14 +1,14 @@
 """Admission control: ``workers`` requests run (in a thread pool), ``queue`` more wait.
 
-A request arriving when both are full gets 429 at once; one that waited longer than
-``queue_timeout_s`` for a worker gets 503. Both carry ``Retry-After``. Memory stays flat under
-any load because nothing beyond ``workers + queue`` requests is ever held.
+A request arriving when both are full gets 429 at once; one that has waited
+``queue_timeout_s`` for a worker gets 503 then, however long the busy workers still run. Both
+carry ``Retry-After``. Memory stays flat under any load because nothing beyond
+``workers + queue`` requests is ever held (a cancelled request counts until its search ends).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,11 +34,38 @@ class Gate:
             raise Busy(429, f"server busy: {self.limit} requests in progress or queued")
         self.pending += 1
         try:
-            queued = time.perf_counter()
-            async with self.slots:
-                if time.perf_counter() - queued > self.timeout_s:
-                    raise Busy(503, f"waited over {self.timeout_s:g}s for a search worker")
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self.pool, fn, *args)
-        finally:
+            await self._slot()
+        except BaseException:  # 503, or the request was cancelled while it waited
             self.pending -= 1
+            raise
+        return await self._on_worker(fn, args)
+
+    async def _slot(self) -> None:
+        """Take a worker slot, waiting at most ``timeout_s``, else ``Busy`` (503).
+
+        The wait is cancelled in this task (``asyncio.timeout``, no inner task), so
+        ``Semaphore.acquire`` gives back a slot it was granted as it was cancelled: a wait that
+        timed out, or a request cancelled while waiting, holds no slot.
+        """
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.slots.acquire()
+        except TimeoutError:
+            raise Busy(503, f"waited over {self.timeout_s:g}s for a search worker") from None
+
+    async def _on_worker(self, fn: Callable[..., Any], args: tuple) -> Any:
+        """``fn(*args)`` in the pool; its slot and its place are freed once, when the thread is
+        done. A request cancelled meanwhile leaves both held while its search still runs, so
+        ``workers`` bounds the threads at work and queued requests wait in ``_slot`` (with its
+        timeout), never in the pool's own queue."""
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except BaseException:  # the pool is shut down: no thread will finish
+            self._finished()
+            raise
+        future.add_done_callback(lambda _: self._finished())
+        return await asyncio.shield(future)
+
+    def _finished(self) -> None:
+        self.slots.release()
+        self.pending -= 1
