@@ -214,7 +214,9 @@ def write_bytes(url: str, data: bytes) -> None:
 
 
 def _write_local_atomic(path: str, fill) -> None:
-    """Write via a hidden temporary file in the same folder, then rename into place."""
+    """Write via a hidden temporary file in the same folder, then rename into place, and
+    make the rename durable before returning (the folder synced): a power loss can then never
+    keep a later file (a done marker) and lose an earlier one (its part)."""
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
@@ -224,9 +226,18 @@ def _write_local_atomic(path: str, fill) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        _sync_folder(parent)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _sync_folder(folder: str) -> None:
+    fd = os.open(folder or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_json(url: str) -> dict:

@@ -121,6 +121,29 @@ def test_local_write_failing_midway_keeps_old_version(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["part-0.parquet"]
 
 
+def test_a_local_write_is_durable_in_order_file_then_its_rename(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recorded_replace(src: str, dst: str) -> None:
+        events.append(("rename", dst))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    target = tmp_path / "sets" / "mean" / "_done" / "a.json"
+    storage.write_json(str(target), {"rows": 3})
+    # the data, then the rename, then the folder holding the rename: a marker written next is
+    # never durable before this file is
+    assert [kind for kind, _ in events] == ["fsync", "rename", "fsync"]
+    assert events[1][1] == str(target) and events[2][1] == str(target.parent)
+
+
 def test_s3_transient_upload_failure_is_retried(s3_server, s3_bucket: str) -> None:
     """An upload that dies half-way once is retried by the client and lands whole."""
     url = f"s3://{s3_bucket}/out/part-0.parquet"
