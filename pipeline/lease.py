@@ -363,18 +363,25 @@ class WriterLease:
 
 
 _held: dict[str, WriterLease] = {}
-_held_lock = threading.Lock()
+_held_lock = threading.Lock()  # guards the two dicts, never held over IO
+_out_locks: dict[str, threading.Lock] = {}  # one per OUT: taking or freeing its lease
 
 
 def _key(out: str) -> str:
     return out.rstrip("/")
 
 
+def _out_lock(key: str) -> threading.Lock:
+    with _held_lock:
+        return _out_locks.setdefault(key, threading.Lock())
+
+
 @contextmanager
 def writer_lease(out: str, command: str, wait: float = 0.0) -> Iterator[WriterLease]:
-    """Hold OUT's writer lease for the block; re-entrant within this process."""
+    """Hold OUT's writer lease for the block; re-entrant within this process. Waiting for one
+    OUT's lease holds up no thread that takes or frees another OUT's."""
     key = _key(out)
-    with _held_lock:
+    with _out_lock(key):
         lease = _held.get(key)
         if lease is None:
             lease = WriterLease(out, command)
@@ -384,7 +391,7 @@ def writer_lease(out: str, command: str, wait: float = 0.0) -> Iterator[WriterLe
     try:
         yield lease
     finally:
-        with _held_lock:
+        with _out_lock(key):
             lease._users -= 1
             if lease._users == 0:
                 del _held[key]

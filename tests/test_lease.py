@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +88,28 @@ def test_the_lease_is_renewed_while_held_and_reentrant(out):
         with pytest.raises(LeaseHeld):  # still held: the renewals kept it alive past its TTL
             WriterLease(out, "other").acquire()
     assert holder(out)["released"] is True
+
+
+def test_waiting_for_one_outs_lease_holds_up_no_other_out(tmp_path):
+    busy, free = str(tmp_path / "busy"), str(tmp_path / "free")
+    other = WriterLease(busy, "another writer")
+    other.acquire()
+    took = []
+
+    def wait_for_busy() -> None:
+        with writer_lease(busy, "embed", wait=TTL * 3):
+            took.append(busy)
+
+    waiting = threading.Thread(target=wait_for_busy)
+    waiting.start()
+    time.sleep(0.2)  # the thread is in its wait for `busy`
+    with writer_lease(free, "index"):  # taken and freed while it waits
+        assert holder(free)["released"] is False
+    assert holder(free)["released"] is True
+    assert waiting.is_alive()  # not after the wait ended
+    other.release()
+    waiting.join()
+    assert took == [busy]  # and then it got `busy` as soon as the other writer let go
 
 
 def test_the_lease_is_released_when_the_block_raises(out):
