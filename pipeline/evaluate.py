@@ -17,12 +17,11 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from pipeline import ranking, storage
-from pipeline.errors import ConfigError, CorpusError, StorageError
+from pipeline.errors import CorpusError, StorageError
 from pipeline.sets import SetFolder, SetMeta
 
 EXACT_MAX_BYTES = 2 << 30  # sets up to this many bytes of vectors are scored exactly by default
 SEARCH_BATCH = 256  # queries encoded and searched at once
-MAX_K = 1000
 
 
 class SetScores(BaseModel):
@@ -69,8 +68,7 @@ def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: 
     """
     from pipeline.index import list_sets
 
-    if not 1 <= k <= MAX_K:
-        raise ConfigError(f"-k must be between 1 and {MAX_K}, got {k}")
+    ranking.check_k(k)
     relevant = load_queries(queries)
     names = list(sets or list_sets(out))
     if not names:

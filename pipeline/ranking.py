@@ -16,6 +16,17 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 
+MAX_K = 1000  # the largest cut-off a search or an evaluation takes
+
+
+def check_k(k: int) -> int:
+    """``k`` when it is a cut-off search takes (1..``MAX_K``), else one line saying so."""
+    from pipeline.errors import ConfigError
+
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ConfigError(f"-k must be an integer between 1 and {MAX_K}, got {k!r}")
+    return k
+
 
 def metric_names(k: int) -> tuple[str, ...]:
     """The metrics ``per_query`` and ``mean_scores`` give for cut-off ``k``, in table order."""

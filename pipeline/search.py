@@ -23,6 +23,7 @@ from pipeline.data import TextBatch
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
 from pipeline.models.hashing import int8_kernel_of
+from pipeline.ranking import check_k
 from pipeline.sets import SetFolder, SetMeta
 from pipeline.snippets import SnippetStore
 from pipeline.vectors import unit_rows
@@ -164,6 +165,7 @@ class Searcher:
     def search(self, queries: list[str], k: int = 10,
                snippets: bool = True) -> list[list[Hit]]:
         """Per query, the k best (id, score) with rank and snippet; best first."""
+        check_k(k)
         if not queries:
             return []
         found = self.handle.search(self.encode(queries), k)

@@ -10,7 +10,7 @@ import pytest
 from _search_sets import TEXTS, embedded_set
 
 from flows.cli import main
-from pipeline.errors import FingerprintError, StorageError
+from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.index import IndexRequest, index_set
 from pipeline.live import LiveSets
 from pipeline.search import Searcher
@@ -34,6 +34,17 @@ def test_a_document_text_finds_itself_first_with_its_snippet(indexed):
     scores = [h.score for h in results[0]]
     assert scores == sorted(scores, reverse=True)
     assert all(h.snippet == TEXTS[h.id - 100] for r in results for h in r)
+
+
+@pytest.mark.parametrize("k", [0, -3, 10**9, 2.5, True])
+def test_a_cut_off_search_does_not_take_is_one_line_wherever_it_comes_from(indexed, k, capsys):
+    import embedpipe
+
+    with pytest.raises(ConfigError, match=r"^-k must be an integer between 1 and 1000, got "):
+        embedpipe.search(str(indexed), TEXTS[0], k=k)
+    if isinstance(k, int) and not isinstance(k, bool):
+        assert main(["query", str(indexed), TEXTS[0], "-k", str(k)]) == 1
+        assert "-k must be an integer between 1 and 1000" in capsys.readouterr().err
 
 
 def test_query_cli_prints_rank_score_id_snippet_and_json(indexed, capsys):

@@ -114,9 +114,9 @@ def run_index(args: argparse.Namespace) -> int:
 
 def run_query(args: argparse.Namespace) -> int:
     from pipeline.errors import ConfigError
+    from pipeline.ranking import check_k
 
-    if not 1 <= args.k <= 1000:
-        raise ConfigError(f"-k must be between 1 and 1000, got {args.k}")
+    check_k(args.k)
     if args.url is None and args.out is None:
         raise ConfigError("give OUT, or --url of a running `embedpipe serve`")
     words = [args.out, *args.text] if args.url and args.out else args.text  # no OUT with --url

@@ -9,8 +9,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from pipeline.errors import ConfigError
+from pipeline.ranking import MAX_K
 
-MAX_K = 1000
 MAX_QUERY_CHARS = 10_000
 MAX_BATCH = 256
 KEY_ENV = "EMBEDPIPE_API_KEY"

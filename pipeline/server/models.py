@@ -19,8 +19,9 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.ranking import MAX_K
 from pipeline.search import Hit
-from pipeline.server.config import MAX_BATCH, MAX_K, MAX_QUERY_CHARS
+from pipeline.server.config import MAX_BATCH, MAX_QUERY_CHARS
 
 
 def _not_blank(text: str) -> str:
