@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -62,13 +63,25 @@ class PoolerSpec(_Strict):
         if len(set(self.layers)) != len(self.layers):
             raise ValueError(f"layers has duplicates: {list(self.layers)}")
         if self.layer_combine == "weighted":
-            if self.layer_weights is None or len(self.layer_weights) != len(self.layers):
-                raise ValueError("layer_combine = 'weighted' needs one layer_weights per layer")
+            self._check_weights()
         elif self.layer_weights is not None:
             raise ValueError("layer_weights is only used with layer_combine = 'weighted'")
         if self.strategy == "learned" and not self.head:
             raise ValueError("the 'learned' pooler needs head = <folder with head.safetensors>")
         return self
+
+    def _check_weights(self) -> None:
+        """``weighted`` is a weighted mean of the layers (each weight over their sum): every
+        weight >= 0 and their sum finite and above 0, else the vectors would be NaN or inf."""
+        weights = self.layer_weights
+        if weights is None or len(weights) != len(self.layers):
+            raise ValueError("layer_combine = 'weighted' needs one layer_weights per layer")
+        if not all(w >= 0 for w in weights) or not 0 < sum(weights) < math.inf:
+            raise ValueError(
+                f"pooler {self.name!r}: layer_weights {list(weights)} must each be >= 0, their "
+                "sum finite and above 0 (layer_combine = 'weighted' is a weighted mean of the "
+                "layers)"
+            )
 
     def spec_dict(self) -> dict:
         """The options that change the vectors (what the fingerprint covers)."""

@@ -2,11 +2,11 @@
 
 The steps: tokenize the batch in bulk (fast tokenizer, no truncation; the prompt, if the
 model has one, tokenized with each text as one string), plan pieces (the first
-``max_length`` tokens, or overlapping windows that each repeat the prompt inside their
-token budget), cut pieces into token-budget batches sorted by length, run the encoder once
-per batch asking only for what the poolers need, apply every pooler to the same states,
-aggregate windows back to rows, truncate and normalise. Output rows are in input order
-whatever the batching.
+``max_length`` tokens, the last ones where the tokenizer truncates on the left, or
+overlapping windows that each repeat the prompt inside their token budget), cut pieces into
+token-budget batches sorted by length, run the encoder once per batch asking only for what
+the poolers need, apply every pooler to the same states, aggregate windows back to rows,
+truncate and normalise. Output rows are in input order whatever the batching.
 
 Documents get the model's document prompt (``embed``, ``encode``), queries its query prompt
 (``encode_queries``).
@@ -34,13 +34,14 @@ from pipeline.stats import ShardStats
 from pipeline.token_rows import TokenRows
 from pipeline.torch_thread import on_torch_thread
 from pipeline.vectors import unit_rows
-from pipeline.windows import Pieces, truncate, windows
+from pipeline.windows import Pieces, Side, truncate, windows
 
 
 @dataclass(frozen=True)
 class Tokens:
-    """Tokenized texts: ids (the prompt's first), the prompt's tokens at the start of each
-    (``lead``) and the prompt's length as the pooler sees it."""
+    """Tokenized texts: ids (the prompt's first), the prompt's tokens kept at the start of
+    every piece (``lead``; none where a left-truncating tokenizer cuts the prompt with the
+    text) and the prompt's length as the pooler sees it."""
 
     ids: TokenRows
     lead: np.ndarray
@@ -59,6 +60,7 @@ class Embedder:
         wants_attention = any(_needs_attention(spec) for spec in poolers)
         self.encoder = Encoder(encoder, need_attention=wants_attention)
         self.info: EncoderInfo = self.encoder.info()
+        self.truncation_side: Side = self.encoder.tokenizer.truncation_side
         self.poolers: dict[str, Pooler] = {
             name: build_pooler(spec, self.info, self.encoder.parts)
             for name, spec in self.specs.items()
@@ -73,6 +75,16 @@ class Embedder:
                                  and all(p.first_token_only for p in self.poolers.values()))
         if encoder.window:
             self._check_window(encoder.window.size, encoder.window.stride)
+        self._check_row_tokens()
+
+    def _check_row_tokens(self) -> None:
+        """Every pooler takes the widest row a batch may hold (the window size where windows
+        are on, else max_length), so none fails or not by a text's batch-mates."""
+        window = self.cfg.window
+        tokens = window.size if window else self.encoder.max_length
+        source = f"window size {tokens}" if window else f"max_length {tokens}"
+        for pooler in self.poolers.values():
+            pooler.check_row_tokens(tokens, source)
 
     def _check_window(self, size: int, stride: int) -> None:
         if size > self.encoder.max_length:
@@ -116,7 +128,16 @@ class Embedder:
         prompt (the document prompt unless another is given)."""
         prompt = self.encoder.document_prompt if prompt is None else prompt
         ids = self.encoder.tokenize_rows(texts, prompt)
+        if self.cuts_prompt:
+            return Tokens(ids, np.zeros(len(ids), np.int64), prompt.length)
         return Tokens(ids, self.encoder.prompt_lead(ids, prompt), prompt.length)
+
+    @property
+    def cuts_prompt(self) -> bool:
+        """Whether a long text loses its first tokens, the prompt's first: a tokenizer that
+        truncates on the left, windows off. sentence-transformers tokenizes prompt and text as
+        one string and truncates that; so do these pieces (windows truncate nothing)."""
+        return self.truncation_side == "left" and self.cfg.window is None
 
     def encode_tokens(self, ids: list, tokens: Tokens) -> EmbeddingBatch:
         """Step 2 of ``embed``: the forward passes and poolers over tokenized texts."""
@@ -170,7 +191,7 @@ class Embedder:
         lengths = tokens.ids.lengths - lead
         window = self.cfg.window
         if window is None:
-            return truncate(lengths, self.encoder.content_length - lead)
+            return truncate(lengths, self.encoder.content_length - lead, self.truncation_side)
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         return windows(lengths, window.size - specials - lead, window.stride)
 

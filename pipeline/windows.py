@@ -1,15 +1,19 @@
 """Pure planning of token windows: which slice of each text's tokens each forward row sees.
 
 A text of ``n`` content tokens (special tokens excluded) becomes one piece when windows are
-off (the first ``content`` tokens; the rest is truncated and counted) or several overlapping
-windows of ``content`` tokens every ``stride`` tokens, the last one ending at the text's end.
+off (the first ``content`` tokens, or the last ones for a tokenizer that truncates on the left;
+the rest is truncated and counted) or several overlapping windows of ``content`` tokens every
+``stride`` tokens, the last one ending at the text's end (no token is truncated).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+Side = Literal["right", "left"]  # the end a long text loses: the tokenizer's truncation side
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,13 @@ class Pieces:
         return self.end - self.start
 
 
-def truncate(lengths: np.ndarray, content: int | np.ndarray) -> Pieces:
-    """One piece per text: its first ``content`` tokens (one number, or one per text)."""
+def truncate(lengths: np.ndarray, content: int | np.ndarray, side: Side = "right") -> Pieces:
+    """One piece per text: its first ``content`` tokens (one number, or one per text), or
+    with ``side = "left"`` its last ones."""
     lengths = np.asarray(lengths, dtype=np.int64)
     rows = np.arange(len(lengths), dtype=np.int64)
+    if side == "left":
+        return Pieces(rows, np.maximum(lengths - content, 0), lengths)
     return Pieces(rows, np.zeros_like(rows), np.minimum(lengths, content))
 
 

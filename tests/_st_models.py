@@ -39,6 +39,7 @@ class Variant:
     include_prompt: bool = True
     dense: tuple[int, str] | None = None  # (out_features, torch.nn activation class name)
     normalize: bool = False
+    normalize_first: bool = False  # a Normalize before the Dense (Pooling, Normalize, Dense)
     max_seq_length: int | None = None
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt: str | None = None
@@ -58,6 +59,8 @@ VARIANTS = [
             prompts=PROMPTS, default_prompt="search", max_seq_length=48),
     Variant("lasttoken_norm", "lasttoken", normalize=True, prompts={"query": "query: "}),
     Variant("cls_and_mean_dense_identity", ("cls", "mean"), dense=(16, "Identity")),
+    Variant("mean_norm_then_dense", "mean", dense=(16, "Tanh"), normalize_first=True,
+            prompts=PROMPTS, default_prompt="document"),  # vectors not unit length
 ]
 
 
@@ -76,6 +79,8 @@ def save_variant(base: Path, target: Path, v: Variant) -> Path:
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode=v.mode,
                       include_prompt=v.include_prompt)
     modules = [transformer, pooling]
+    if v.normalize_first:
+        modules.append(Normalize())
     if v.dense:
         torch.manual_seed(1)
         out, activation = v.dense

@@ -158,6 +158,99 @@ def test_the_model_hash_is_cached_by_size_and_mtime(
     assert len(list((tmp_path / "cache" / "model-hash").glob("*.json"))) == 2
 
 
+MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    {"idx": 3, "name": "3", "path": "3_Normalize",
+     "type": "sentence_transformers.models.Normalize"},
+]
+PLAIN_FILES = {
+    "config.json": '{"model_type": "bert"}', "model.safetensors": "transformer weights",
+    "tokenizer.json": '{"tokenizer": 1}', "tokenizer_config.json": '{"a": 1}',
+    "special_tokens_map.json": '{"b": 2}', "vocab.txt": "[PAD]\nhello\nworld\n",
+    "README.md": "a model card changes no vector", "notes.txt": "nor do notes",
+}
+ST_FILES = PLAIN_FILES | {
+    "modules.json": json.dumps(MODULES), "config_sentence_transformers.json": '{"prompts": {}}',
+    "sentence_bert_config.json": '{"max_seq_length": 64}',
+    "1_Pooling/config.json": '{"pooling_mode": "mean"}',
+    "1_Pooling/vocab.txt": "a stray file in a module folder",
+    "2_Dense/config.json": '{"in_features": 32}', "2_Dense/model.safetensors": "dense weights",
+    "2_Dense/notes.txt": "nor do notes",
+}
+# model_hash of these folders before the Transformer's module folder was hashed too: every
+# set made from a folder with its transformer at its root keeps its fingerprint
+OLD_HASHES = {"plain": "4e73d6400c0744d1", "st": "fb4bb78ab6b0d15e"}
+
+
+@pytest.mark.parametrize("kind", ["plain", "st"])
+def test_the_hash_of_a_folder_with_its_transformer_at_its_root_is_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    from pipeline.models.hashing import folder_hash
+
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))  # computed, not cached
+    root = tmp_path / kind
+    for name, text in (PLAIN_FILES if kind == "plain" else ST_FILES).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert folder_hash(str(root)) == OLD_HASHES[kind]
+
+
+def transformer_in_a_module_folder(base: Path, root: Path, minilm_dir: Path) -> Path:
+    """A sentence-transformers folder whose Transformer sits in ``0_Transformer/`` (no
+    config.json at its root), its tokenizer an old save: vocab.txt, no tokenizer.json."""
+    shutil.copytree(base, root / "0_Transformer")
+    (root / "0_Transformer" / "tokenizer.json").unlink()
+    shutil.copy(minilm_dir / "vocab.txt", root / "0_Transformer" / "vocab.txt")
+    (root / "1_Pooling").mkdir()
+    (root / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    (root / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "0_Transformer",
+         "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    return root
+
+
+def test_a_transformer_in_a_module_folder_loads_and_its_vocabulary_is_hashed(
+    base: Path, tmp_path: Path, minilm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Such a folder loads as sentence-transformers loads it, and a changed 0_Transformer/
+    vocab.txt (other vectors) changes the model hash, so a set's fingerprint."""
+    from sentence_transformers import SentenceTransformer
+
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path / "cache"))
+    root = transformer_in_a_module_folder(base, tmp_path / "sub", minilm_dir)
+    assert not (root / "config.json").exists()
+    texts = real_texts(60)
+    before = embedder(root)
+    expected = SentenceTransformer(str(root), device="cpu").encode(texts)
+    got = before.encode(texts)
+    assert got.shape == expected.shape == (len(texts), 32)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    vocab = (root / "0_Transformer" / "vocab.txt").read_text().split("\n")
+    i, j = vocab.index("hello"), vocab.index("world")
+    vocab[i], vocab[j] = vocab[j], vocab[i]
+    (root / "0_Transformer" / "vocab.txt").write_text("\n".join(vocab))
+    after = embedder(root)
+    assert np.abs(after.encode(["hello world"]) - before.encode(["hello world"])).max() > 1e-3
+    assert after.info.model_hash != before.info.model_hash
+    assert after.fingerprint("model") != before.fingerprint("model")
+
+
+def test_a_module_folder_linked_out_of_the_model_is_refused(
+    base: Path, tmp_path: Path, minilm_dir: Path
+) -> None:
+    root = transformer_in_a_module_folder(base, tmp_path / "sub", minilm_dir)
+    shutil.move(root / "1_Pooling", tmp_path / "elsewhere")
+    (root / "1_Pooling").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(ModelError, match=r"module path '1_Pooling' leads out of the model"):
+        embedder(root)
+
+
 def test_the_fingerprint_follows_prompts_and_max_length(headed: Path) -> None:
     default = embedder(headed)
     assert default.fingerprint("model") != embedder(headed, prompt_name="query").fingerprint(

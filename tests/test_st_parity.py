@@ -83,6 +83,29 @@ def test_the_modules_shape_the_set(st_models: dict[str, Path]) -> None:
     assert np.abs(norms - 1).min() > 1e-3
 
 
+def test_a_normalize_before_a_dense_runs_where_it_sits(
+    st_models: dict[str, Path], texts: list[str]
+) -> None:
+    """Pooling, Normalize, Dense: the Dense reads unit vectors and writes vectors that are not
+    unit length, as ``encode`` gives them; the set records normalize = false (search follows).
+    ``normalize = false`` leaves out a final Normalize only: this one is part of the Dense's
+    input, for the model set and for a seed pooler with ``model_head``."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = st_models["mean_norm_then_dense"]
+    specs = [PoolerSpec(name="model"), PoolerSpec(name="kept", strategy="model", normalize=False),
+             PoolerSpec(name="head", strategy="mean", model_head=True, normalize=False)]
+    ours = Embedder(EncoderConfig(model=str(folder), dtype="fp32", device="cpu"), specs)
+    assert {name: spec.normalize for name, spec in ours.specs.items()} == {
+        "model": False, "kept": False, "head": False}
+    vectors = ours.embed(TextBatch(list(range(len(texts))), texts)).vectors
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=32)
+    assert np.abs(np.linalg.norm(expected, axis=1) - 1).min() > 1e-2  # not unit length
+    for spec in specs:
+        worst = assert_same(vectors[spec.name], expected, f"Normalize, Dense: {spec.name}")
+    print(f"\nPooling, Normalize, Dense: min cosine {worst:.7f}")
+
+
 def test_prompt_names_override_the_model_defaults(
     st_models: dict[str, Path], texts: list[str]
 ) -> None:

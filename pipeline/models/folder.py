@@ -1,4 +1,8 @@
-"""Where a model lives: the packaged MiniLM, a local folder, or a name in the local HF cache."""
+"""Where a model lives: the packaged MiniLM, a local folder, or a name in the local HF cache.
+
+A model folder holds its transformer's ``config.json``, or a sentence-transformers
+``modules.json`` (its Transformer may sit in a module folder, ``0_Transformer/``).
+"""
 
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ def resolve_model_dir(model: str | None) -> Path:
         return Path(get_model_path())
     path = Path(model).expanduser()
     if path.exists():
-        if not path.is_dir() or not (path / "config.json").exists():
-            raise ModelError(f"{model} is not a model folder (no config.json)")
+        if not path.is_dir() or not (
+                (path / "config.json").exists() or is_sentence_transformers(path)):
+            raise ModelError(f"{model} is not a model folder (no config.json or {MODULES_JSON})")
         return path
     if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
         raise ModelError(f"model folder not found: {model}")

@@ -2,8 +2,11 @@
 
 Covered: the transformer's config and weights, the tokenizer files, the sentence-transformers
 configs (modules, Transformer options, prompts) and every module folder's config and weights
-(Pooling, Dense, Normalize). The result is cached under ``EMBEDPIPE_CACHE``, keyed by the
-folder and each file's path, size and mtime, so a start does not re-read the weights.
+(Pooling, Dense, Normalize); a Transformer kept in a module folder (``0_Transformer/``) has its
+tokenizer files there covered too (vocab.txt, merges.txt, sentencepiece models: not JSON),
+which leaves the hash of a folder with its transformer at its root as it was. The result is
+cached under ``EMBEDPIPE_CACHE``, keyed by the folder and each file's path, size and mtime, so
+a start does not re-read the weights.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ _HASH = re.compile(r"^[0-9a-f]{16}$")
 
 
 def hashed_files(folder: Path, module_dirs: Iterable[Path] = ()) -> list[Path]:
-    """The files the hash covers, in a fixed order."""
+    """The files the hash covers, in a fixed order. ``module_dirs``: every module's folder
+    in ``modules.json`` order, so the first is the Transformer's."""
     files = {p for p in folder.iterdir()
              if p.is_file() and (p.name in ROOT_FILES or p.suffix in WEIGHT_SUFFIXES)}
-    for module in module_dirs:
+    for index, module in enumerate(module_dirs):
         if module.is_dir() and module != folder:
             files |= {p for p in module.iterdir() if p.is_file()
-                      and (p.suffix == ".json" or p.suffix in WEIGHT_SUFFIXES)}
+                      and (p.suffix == ".json" or p.suffix in WEIGHT_SUFFIXES
+                           or (index == 0 and p.name in ROOT_FILES))}
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 

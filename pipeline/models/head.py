@@ -1,4 +1,8 @@
-"""The modules after Pooling (Dense, Normalize), as one torch module, and what poolers reuse."""
+"""The modules after Pooling (Dense, Normalize), as one torch module, and what poolers reuse.
+
+They run in saved order: a Normalize before a Dense normalises what the Dense reads (the
+Dense's output is then not unit length), as in ``SentenceTransformer.encode``.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ class ModelHead(nn.Module):
 
     @property
     def normalizes(self) -> bool:
-        return any(isinstance(m, Normalize) for m in self.steps)
+        """Whether the last module is a Normalize: only then do its vectors end unit length."""
+        return bool(self.steps) and isinstance(self.steps[-1], Normalize)
 
     def out_width(self, width: int, source: str) -> int:
         """The width after every Dense, checking each takes what the one before gives."""
@@ -41,9 +46,13 @@ class ModelHead(nn.Module):
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        for step in self.steps:
-            if normalize or not isinstance(step, Normalize):
-                x = step(x)
+        """Every module in order; ``normalize = False`` leaves out a final Normalize alone (one
+        before a Dense is part of what the Dense computes)."""
+        steps = list(self.steps)
+        if not normalize and self.normalizes:
+            steps = steps[:-1]
+        for step in steps:
+            x = step(x)
         return x
 
 

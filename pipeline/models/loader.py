@@ -16,6 +16,7 @@ from pipeline.errors import ModelError
 from pipeline.models.dense import load_dense, read_dense_config
 from pipeline.models.folder import is_sentence_transformers, resolve_model_dir
 from pipeline.models.hashing import model_hash
+from pipeline.models.jsonfile import read_json
 from pipeline.models.modules import ModuleEntry, read_modules
 from pipeline.models.normalize import Normalize, check_normalize_config
 from pipeline.models.pooling import PoolingConfig, read_pooling_config
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
 
 PLAIN_MAX_LENGTH = 512  # a plain HF folder: at most this many tokens unless told otherwise
+# transformers' models whose embeddings number positions from config.pad_token_id + 1
+PADDING_NUMBERED = frozenset({"roberta", "xlm-roberta", "camembert", "data2vec-text", "ibert",
+                              "longformer", "roberta-prelayernorm", "xlm-roberta-xl", "xmod"})
 
 
 @dataclass(frozen=True)
@@ -222,14 +226,32 @@ def _hub(trust_remote_code: bool) -> dict:
 
 def max_length(files: ModelFiles, tokenizer: PreTrainedTokenizerFast, positions: int) -> int:
     """Tokens per row as sentence-transformers truncates: a saved max_seq_length as is,
-    otherwise the tokenizer's limit capped at the model's positions. A plain HF folder
-    keeps embedpipe's rule: the tokenizer's limit, at most 512."""
+    otherwise the tokenizer's limit capped at the model's positions. A plain HF folder: the
+    tokenizer's limit capped, as sentence-transformers caps it, at the model's positions (less
+    the positions its embeddings skip, ``position_offset``: sentence-transformers' extra ones
+    would fail in the model), and at 512."""
     limit = int(tokenizer.model_max_length)
     if not files.sentence_transformers:
-        return min(limit, PLAIN_MAX_LENGTH)
+        return min(limit, PLAIN_MAX_LENGTH, positions - position_offset(files))
     pinned = files.transformer.max_seq_length is not None or (
         "model_max_length" in files.transformer.tokenizer_args)
     return limit if pinned else min(limit, positions)
+
+
+def position_offset(files: ModelFiles) -> int:
+    """Positions the transformer's embeddings never use: RoBERTa-style models number real
+    tokens from ``padding_idx + 1`` (``pad_token_id``, 1 unless the config says; MPNet's fixed
+    at 1), so a row of ``n`` tokens reads position ``padding_idx + n``; 0 elsewhere."""
+    from pipeline.bert_family import MPNET_PADDING_IDX
+
+    config = read_json(files.transformer_dir / "config.json")
+    kind = config.get("model_type")
+    if kind == "mpnet":
+        return MPNET_PADDING_IDX + 1
+    if kind not in PADDING_NUMBERED:
+        return 0
+    pad = config.get("pad_token_id")
+    return (pad if isinstance(pad, int) else 1) + 1
 
 
 def load_head(files: ModelFiles):

@@ -56,4 +56,8 @@ def _entry(folder: Path, source: Path, item: object) -> ModuleEntry:
     path = item.get("path", "")
     if not isinstance(path, str) or (path and (not _PATH.match(path) or ".." in path.split("/"))):
         raise ModelError(f"{source}: module path {path!r} is not a folder inside the model")
-    return ModuleEntry(kind, folder / path if path else folder)
+    where = folder / path if path else folder
+    if not where.resolve().is_relative_to(folder.resolve()):  # a link out of the folder
+        raise ModelError(f"{source}: module path {path!r} leads out of the model folder "
+                         f"(to {where.resolve()})")
+    return ModuleEntry(kind, where)

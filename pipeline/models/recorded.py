@@ -5,13 +5,14 @@ Importing transformers for ``AutoConfig`` and ``AutoTokenizer`` took ~0.9 s of a
 ``embedpipe embed`` (2-core VM, py-spy), on the thread loading the model while the main thread
 imported Prefect: both hold the GIL, so the start waited for both. Everything the encoder reads
 from the two is small: the Rust tokenizer behind the fast tokenizer (after the lower-casing
-sentence-transformers adds), its pad and special ids, input names and length limit, the special
-tokens it wraps around a text, and the config's attributes. ``load`` records them as JSON under
-``EMBEDPIPE_CACHE`` the first time a model loads through transformers and reads them back on
-later starts. The key covers every file of the transformer's folder (name, size, mtime), the
-model hash (configs of every module), the tokenizer options and the transformers and tokenizers
-versions, so a changed file or upgrade loads through transformers again. A model that runs its
-own code (``trust_remote_code``) is never recorded: its tokenizer may do more than its JSON says.
+sentence-transformers adds), its pad and special ids, input names, length limit and truncation
+side, the special tokens it wraps around a text, and the config's attributes. ``load`` records
+them as JSON under ``EMBEDPIPE_CACHE`` the first time a model loads through transformers and
+reads them back on later starts. The key covers every file of the transformer's folder (name,
+size, mtime), the model hash (configs of every module), the tokenizer options and the
+transformers and tokenizers versions, so a changed file or upgrade loads through transformers
+again. A model that runs its own code (``trust_remote_code``) is never recorded: its tokenizer
+may do more than its JSON says.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 
     from pipeline.models.loader import ModelFiles
 
-SCHEMA = 2  # 2: the config's mapped attribute names recorded too
+SCHEMA = 3  # 2: the config's mapped attribute names recorded too; 3: the truncation side
 PROBE = "hello world"  # tokenized with and without special tokens: what wraps a text
+SIDES = ("right", "left")  # which end of a long text the tokenizer cuts
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class TokenizerFacts:
     model_max_length: int
     prefix: tuple[int, ...]  # special tokens before a text ([CLS] for BERT)
     suffix: tuple[int, ...]  # and after it ([SEP])
+    truncation_side: str = "right"  # "left": a long text keeps its last tokens
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerFast, folder: Path) -> TokenizerFacts:
@@ -57,10 +60,14 @@ class TokenizerFacts:
                    if wrapped[i : i + len(bare)] == bare), None)
         if at is None:
             raise ModelError(f"cannot tell the special tokens of the tokenizer in {folder}")
+        side = tokenizer.truncation_side
+        if side not in SIDES:
+            raise ModelError(f"the tokenizer in {folder} truncates on side {side!r}, not one of "
+                             f"{', '.join(SIDES)}")
         return cls(tokenizer.backend_tokenizer.to_str(), tokenizer.pad_token_id,
                    tuple(tokenizer.model_input_names), tuple(tokenizer.all_special_ids),
                    int(min(tokenizer.model_max_length, 2**62)), tuple(wrapped[:at]),
-                   tuple(wrapped[at + len(bare) :]))
+                   tuple(wrapped[at + len(bare) :]), side)
 
     def ids_tokenizer(self):
         """A copy of the Rust tokenizer that never truncates or pads: what the fast

@@ -93,6 +93,13 @@ class Pooler(ABC):
         """What else, beyond the spec, decides this pooler's vectors (for the fingerprint)."""
         return {}
 
+    def check_row_tokens(self, tokens: int, source: str) -> None:
+        """Refuse, at load, rows of up to ``tokens`` tokens (``source`` says what sets that:
+        max_length or the window size) where this pooler cannot take them; a batch is as wide
+        as its longest row, so a pooler that took some widths only would fail or not by
+        batch-mates. Every built-in pooler takes any width."""
+        return None
+
     @property
     def first_token_only(self) -> bool:
         """Whether this pooler reads nothing of its layers but each row's first token (then a
@@ -126,7 +133,7 @@ def combine_layers(hidden: list[torch.Tensor], spec: PoolerSpec) -> torch.Tensor
     stacked = torch.stack(hidden, dim=0)
     if spec.layer_combine == "max":
         return stacked.amax(dim=0)
-    if spec.layer_combine == "weighted":
+    if spec.layer_combine == "weighted":  # a weighted mean: PoolerSpec checks sum > 0
         weights = torch.tensor(spec.layer_weights, dtype=stacked.dtype, device=stacked.device)
         return torch.einsum("l,l...->...", weights / weights.sum(), stacked)
     return stacked.mean(dim=0)

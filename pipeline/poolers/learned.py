@@ -30,6 +30,17 @@ class Learned(Pooler):
     def layer_indices(self) -> tuple[int, ...]:
         return self.pooling_head.cfg.layers
 
+    def check_row_tokens(self, tokens: int, source: str) -> None:
+        """A positional head has one weight per position: rows must fit in them."""
+        cfg = self.pooling_head.cfg
+        if cfg.kind == "positional" and cfg.max_positions < tokens:
+            raise ConfigError(
+                f"pooler {self.spec.name!r}: positional head {self.spec.head} covers "
+                f"{cfg.max_positions} token positions, rows here take up to {tokens} tokens "
+                f"({source}): set max_length (or a window size) of at most {cfg.max_positions}, "
+                f"or use a head trained with max_positions >= {tokens}"
+            )
+
     def combined_width(self) -> int:
         return self.pooling_head.cfg.dim
 

@@ -2,8 +2,9 @@
 
 Its Pooling (every mode, ``include_prompt``) over the last layer, then its Dense and
 Normalize modules in saved order. A plain Hugging Face folder has no pipeline of its own;
-sentence-transformers gives it mean pooling, no Normalize, and so does this pooler.
-``normalize = false`` leaves the model's Normalize out.
+sentence-transformers gives it mean pooling, no Normalize, and so does this pooler. The set is
+unit length only where the model's last module is a Normalize; ``normalize = false`` leaves
+that final Normalize out (a Normalize before a Dense always runs).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ModelPipeline(Pooler):
 
     @property
     def normalizes(self) -> bool:
+        """Whether the model's last module is a Normalize (and ``normalize`` keeps it)."""
         return self.spec.normalize and self.parts.head.normalizes
 
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor, states: TokenStates) -> torch.Tensor:
