@@ -138,3 +138,19 @@ def test_windows_truncate_nothing_whatever_side_the_tokenizer_cuts(
     assert got.stats.truncated == 0 and got.stats.windows > 3
     np.testing.assert_allclose(got.vectors["mean"], right.embed(batch).vectors["mean"],
                                atol=1e-6)
+
+
+def test_a_pooler_trained_over_a_left_truncating_tokenizer_sees_the_rows_it_embeds(
+        left_minilm: Path, texts: list[str]) -> None:
+    """The training cache keeps the tokens the embedder keeps: a long text's last ones."""
+    import torch
+
+    from pipeline.training.cache import build_cache
+
+    ours = ours_for(left_minilm, PoolerSpec(name="mean", strategy="mean", normalize=False))
+    encoder = ours.encoder
+    last = ours.info.num_layers
+    cache = build_cache(encoder, encoder.tokenize(texts), (last,), False, torch.float32)
+    means = cache.flat[cache.offsets[:-1], 0].numpy()
+    embedded = ours.embed(TextBatch(list(range(len(texts))), texts)).vectors["mean"]
+    assert_same(means, embedded, "the training cache's means")

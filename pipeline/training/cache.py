@@ -17,6 +17,7 @@ import torch
 from pipeline.batching import token_budget_batches
 from pipeline.encoder import Encoder
 from pipeline.token_rows import TokenRows
+from pipeline.windows import truncate
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,12 @@ def build_cache(
     np.cumsum(sizes, out=offsets[1:])
     flat = torch.empty((int(offsets[-1]), len(layers), encoder.hidden_size), dtype=dtype)
     token_ids = TokenRows.from_lists(tokens)
-    kept = np.minimum(token_ids.lengths, encoder.content_length)  # content ids per row, truncated
+    # the content ids each row keeps, on the side the tokenizer keeps (as the embedder cuts)
+    kept = truncate(token_ids.lengths, encoder.content_length, encoder.tokenizer.truncation_side)
     batches = token_budget_batches(lengths, encoder.token_budget, encoder.max_batch_rows)
     for rows in batches:
-        none = np.zeros(len(rows), np.int64)
-        ids, mask = encoder.pad_rows(token_ids, rows, none, none, kept[rows])
+        ids, mask = encoder.pad_rows(token_ids, rows, np.zeros(len(rows), np.int64),
+                                     kept.start[rows], kept.end[rows])
         out = encoder.forward(ids, mask, set(layers), attention=False)
         stacked = torch.stack([out.hidden[i] for i in layers], dim=2).cpu()  # [b, t, L, H]
         mask = mask.cpu()
