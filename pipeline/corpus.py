@@ -179,28 +179,32 @@ class Duplicates(BaseModel):
         return f"{self.rows} row(s) repeat an earlier id; first duplicates: {shown}"
 
 
-def find_duplicates(info: CorpusInfo, id_column: str) -> Duplicates:
-    """Two streaming passes over the id column only: 8 bytes per row stay in memory."""
-    keys = [id_keys(batch) for _, _, batch in _id_batches(info, id_column)]
+def find_duplicates(info: CorpusInfo, id_column: str, text_column: str) -> Duplicates:
+    """Two streaming passes: over the id column only (8 bytes per row stay in memory), then,
+    where some id repeats, over ids and texts. Of an id's rows the first with a valid text is
+    kept and the later ones are dropped; rows before it, whose text is skipped anyway, are
+    left to be skipped for their text, so an id with a valid row is never lost."""
+    keys = [id_keys(batch) for _, _, batch, _ in _id_batches(info, id_column)]
     if not keys:
         return Duplicates()
     every = np.sort(np.concatenate(keys))
     repeated = np.unique(every[1:][every[1:] == every[:-1]])
     if not len(repeated):
         return Duplicates()
-    seen: dict[object, int] = {}
+    kept: set[object] = set()
     drop: dict[str, list[int]] = {}
     examples: list[str] = []
-    for name, start, batch in _id_batches(info, id_column):
+    for name, start, batch, texts in _id_batches(info, id_column, text_column):
         values = batch.to_pylist()
         for i, value in enumerate(values):
             if value is None or not _maybe_repeated(value, repeated):
                 continue
-            seen[value] = seen.get(value, 0) + 1
-            if seen[value] > 1:
+            if value in kept:
                 drop.setdefault(name, []).append(start + i)
-                if seen[value] == 2 and len(examples) < 10:
+                if len(examples) < 10 and repr(value) not in examples:
                     examples.append(repr(value))
+            elif _reason(False, False, texts[i]) is None:
+                kept.add(value)
     return Duplicates(examples=examples, rows=sum(map(len, drop.values())), drop=drop)
 
 
@@ -210,13 +214,17 @@ def _maybe_repeated(value: object, repeated: np.ndarray) -> bool:
     return bool(i < len(repeated) and repeated[i] == key)
 
 
-def _id_batches(info: CorpusInfo, id_column: str) -> Iterator[tuple[str, int, pa.Array]]:
+def _id_batches(info: CorpusInfo, id_column: str, text_column: str | None = None
+                ) -> Iterator[tuple[str, int, pa.Array, list | None]]:
+    """(file name, first row, ids, texts as ``validate`` reads them or None) per batch."""
+    columns = [id_column] + ([text_column] if text_column else [])
     for layout in info.files:
         pf = _open(layout.url)
         start = 0
-        for batch in pf.iter_batches(batch_size=65_536, columns=[id_column]):
+        for batch in pf.iter_batches(batch_size=65_536, columns=columns):
             column = batch.column(0)
-            yield layout.name, start, column
+            texts = _texts(batch.column(1)) if text_column else None
+            yield layout.name, start, column, texts
             start += len(column)
 
 

@@ -163,11 +163,11 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
     """
     corpus = describe(job.corpus, job.id_column, job.text_column)
     shards = plan_shards(corpus.files, job.rows_per_shard)
-    duplicates = find_duplicates(corpus, job.id_column)
+    duplicates = find_duplicates(corpus, job.id_column, job.text_column)
     if duplicates.rows and not job.dedupe:
         raise CorpusError(
             f"duplicate ids in {job.corpus}: {duplicates.describe()}; "
-            "pass --dedupe to keep the first row of each id"
+            "pass --dedupe to keep the first row with a valid text of each id"
         )
     metas = _claim(job, corpus.id_type, load_embedder)
     generation = {name: meta.generation + 1 for name, meta in metas.items()}

@@ -101,16 +101,32 @@ def test_duplicates_are_found_across_files_first_copy_kept(tmp_path):
     write_corpus(tmp_path / "c" / "a.parquet", ["a", "b", "c", "d"], ["t"] * 4, row_group_size=2)
     write_corpus(tmp_path / "c" / "b.parquet", ["e", "b", "f", "a", "b"], ["t"] * 5)
     info = describe(str(tmp_path / "c"), "id", "text")
-    dupes = find_duplicates(info, "id")
+    dupes = find_duplicates(info, "id", "text")
     assert dupes.rows == 3
     assert dupes.examples == ["'b'", "'a'"]
     assert dupes.drop == {"b.parquet": [1, 3, 4]}
     assert "first duplicates: 'b', 'a'" in dupes.describe()
 
 
+def test_an_ids_first_valid_row_is_the_one_kept(tmp_path):
+    # ids 1 and 2 first come with a text that is skipped anyway (blank, null): their later,
+    # valid rows are kept, not dropped as duplicates; id 5 has no valid row at all
+    ids = [1, 2, 3, 1, 2, 4, 1, 5, 5]
+    texts = ["   ", None, "c", "a1", "b", "d", "a2", "", None]
+    write_corpus(tmp_path / "a.parquet", ids, texts, row_group_size=4)
+    info = describe(str(tmp_path / "a.parquet"), "id", "text")
+    dupes = find_duplicates(info, "id", "text")
+    assert dupes.drop == {"a.parquet": [6]} and dupes.examples == ["1"]
+    [shard] = plan_shards(info.files, 100)
+    chunks = list(read_shard(shard, "id", "text", info.id_type, frozenset(dupes.drop["a.parquet"])))
+    kept = {i: t for c in chunks for i, t in zip(c.ids.to_pylist(), c.texts, strict=True)}
+    assert kept == {1: "a1", 2: "b", 3: "c", 4: "d"}
+
+
 def test_integer_ids_without_duplicates(tmp_path):
     write_corpus(tmp_path / "a.parquet", list(range(1000)), ["t"] * 1000, row_group_size=100)
-    assert find_duplicates(describe(str(tmp_path / "a.parquet"), "id", "text"), "id").rows == 0
+    info = describe(str(tmp_path / "a.parquet"), "id", "text")
+    assert find_duplicates(info, "id", "text").rows == 0
 
 
 def test_unusable_corpora_fail_with_one_line(tmp_path):
@@ -159,5 +175,5 @@ def test_id_type_is_kept_when_files_agree_and_widened_when_not(tmp_path):
 def test_duplicates_among_large_unsigned_ids(tmp_path):
     ids = pa.array([2**64 - 1, 5, 2**64 - 1, 2**63], pa.uint64())
     pq.write_table(pa.table({"id": ids, "text": ["a"] * 4}), tmp_path / "a.parquet")
-    dupes = find_duplicates(describe(str(tmp_path / "a.parquet"), "id", "text"), "id")
+    dupes = find_duplicates(describe(str(tmp_path / "a.parquet"), "id", "text"), "id", "text")
     assert dupes.rows == 1 and dupes.drop == {"a.parquet": [2]}

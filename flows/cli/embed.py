@@ -64,7 +64,7 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("--quarantine", action="store_true", default=None,
                    help="write skipped rows to OUT/_quarantine/")
     p.add_argument("--dedupe", action="store_true", default=None,
-                   help="keep the first row of each duplicated id instead of failing")
+                   help="keep the first row with a valid text of each duplicated id instead of failing")
 
 
 def _json_arg(p: argparse.ArgumentParser) -> None:
