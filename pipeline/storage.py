@@ -393,6 +393,23 @@ def upload_dir(local: str | Path, url: str) -> None:
             fs.put_file(str(p), f"{path.rstrip('/')}/{rel}")
 
 
+def _botocore_credentials() -> dict[str, str]:
+    """The region and credentials botocore's chain resolves here, as object_store keys."""
+    import botocore.session
+
+    session = botocore.session.Session()
+    options = {"aws_region": os.environ.get("AWS_REGION")
+               or session.get_config_variable("region") or "us-east-1"}
+    found = session.get_credentials()
+    if found is not None:
+        frozen = found.get_frozen_credentials()
+        options |= {"aws_access_key_id": frozen.access_key,
+                    "aws_secret_access_key": frozen.secret_key}
+        if frozen.token:
+            options["aws_session_token"] = frozen.token
+    return options
+
+
 def _copy_into(source: Path, fh) -> None:
     with open(source, "rb") as src:
         shutil.copyfileobj(src, fh)
@@ -401,16 +418,11 @@ def _copy_into(source: Path, fh) -> None:
 def polars_options(url: str) -> dict[str, str]:
     """``storage_options`` for polars (object_store keys) that reach ``url`` as fsspec does:
     the same endpoint (path-style, plain HTTP allowed for a loopback or private store) and
-    the same credentials from the environment; empty for a local path."""
+    the same credentials, found by botocore's chain as s3fs finds them (variables, a profile
+    in the shared credentials file, ...); empty for a local path."""
     if not is_s3(url):
         return {}
-    options = {"aws_region": os.environ.get("AWS_REGION")
-               or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
-    for key, var in (("aws_access_key_id", "AWS_ACCESS_KEY_ID"),
-                     ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-                     ("aws_session_token", "AWS_SESSION_TOKEN")):
-        if os.environ.get(var):
-            options[key] = os.environ[var]
+    options = _botocore_credentials()
     endpoint = endpoint_url()
     if endpoint:
         options["aws_endpoint_url"] = endpoint

@@ -303,6 +303,22 @@ def test_scan_set_of_a_set_without_parts_is_empty_with_the_set_schema(tmp_path):
     assert got.height == 0 and got.schema == {"id": pl.Int64, "embedding": pl.Array(pl.Float32, 3)}
 
 
+def test_scan_set_on_s3_takes_credentials_from_a_profile_as_s3fs_does(s3_bucket, tmp_path,
+                                                                       monkeypatch):
+    from _s3 import TEST_KEY, TEST_SECRET
+
+    out = f"s3://{s3_bucket}/out"
+    ids, vectors = _write_two_parts(out)
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[dev]\naws_access_key_id = {TEST_KEY}\n"
+                           f"aws_secret_access_key = {TEST_SECRET}\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_PROFILE", "dev")
+    _check_scan(out, ids, vectors)
+
+
 def test_scan_set_round_trips_a_set_on_s3(s3_bucket):
     out = f"s3://{s3_bucket}/out"
     ids, vectors = _write_two_parts(out)
