@@ -190,9 +190,7 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     stats.reused = max(collected.reused.values(), default=0)
     stats = ShardStats.total([stats, reader])
     tick = time.perf_counter()
-    if quarantine:  # before any marker: a done shard always has its quarantine file
-        storage.write_parquet(quarantine_url(request.job.out, request.shard.id),
-                              pa.concat_tables(quarantine))
+    _write_quarantine(request, quarantine)
     outcomes = _write_sets(request, collected, stats.skipped)
     stats.add_seconds("write", time.perf_counter() - tick)
     release_freed_memory()
@@ -430,6 +428,17 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
     faults.hit("write_marker", f"{shard.id}/{work.name}")
     folder.write_marker(marker)
     return True, len(removed)
+
+
+def _write_quarantine(request: ShardRequest, tables: list[pa.Table]) -> None:
+    """The shard's skipped rows, before any marker (a done shard always has its file); a
+    shard that skips nothing now (or runs without --quarantine) has none: an earlier run's
+    file would list rows the set now holds."""
+    url = quarantine_url(request.job.out, request.shard.id)
+    if tables:
+        storage.write_parquet(url, pa.concat_tables(tables))
+    else:
+        storage.remove(url)
 
 
 def _quarantine_table(shard: Shard, chunk: Chunk) -> pa.Table:

@@ -23,7 +23,14 @@ from pipeline.config import HEAD_JSON, HEAD_WEIGHTS, EmbedJob, stable_hash
 from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates
 from pipeline.errors import CorpusError
 from pipeline.job import SetWork, ShardRequest, ShardResult
-from pipeline.sets import SetFolder, SetMeta, ShardMarker, part_name
+from pipeline.sets import (
+    SetFolder,
+    SetMeta,
+    ShardMarker,
+    part_name,
+    quarantine_url,
+    quarantined_shards,
+)
 from pipeline.shards import Shard, plan_shards
 from pipeline.stats import ShardStats
 
@@ -172,6 +179,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
     metas = _claim(job, corpus.id_type, load_embedder)
     generation = {name: meta.generation + 1 for name, meta in metas.items()}
     markers = {name: SetFolder(job.out, name).read_markers() for name in metas}
+    quarantined = quarantined_shards(job.out) if job.quarantine else None
     requests = []
     for shard in shards:
         drop = _drops(duplicates, shard)
@@ -179,7 +187,8 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
         work = [
             _set_work(shard, markers[name], metas[name])
             for name in metas
-            if verify or not _done(markers[name].get(shard.id), signature, shard.content)
+            if verify or not _done(markers[name].get(shard.id), signature, shard.content,
+                                   quarantined)
         ]
         if work:
             requests.append(
@@ -244,11 +253,15 @@ def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:
     return [r for r in rows if shard.offset <= r < shard.offset + shard.rows]
 
 
-def _done(marker: ShardMarker | None, signature: str, content: str) -> bool:
+def _done(marker: ShardMarker | None, signature: str, content: str,
+          quarantined: set[str] | None = None) -> bool:
     """Whether ``marker`` says the shard of this row-group ``signature`` and ``content``
-    digest is done (a marker written before markers kept the digest: by its signature)."""
-    return (marker is not None and marker.signature == signature
-            and marker.content in (None, content))
+    digest is done (a marker written before markers kept the digest: by its signature). With
+    ``--quarantine`` (``quarantined``: the shards that have a quarantine file), a shard that
+    skipped rows but has no file is not: the run writes it (its vectors are reused)."""
+    if marker is None or marker.signature != signature or marker.content not in (None, content):
+        return False
+    return quarantined is None or not marker.skipped or marker.shard in quarantined
 
 
 def _set_work(shard: Shard, markers: dict[str, ShardMarker], meta: SetMeta) -> SetWork:
@@ -326,6 +339,7 @@ def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None
         folder.record_removed(g, sid, ids.to_pylist())
         folder.remove_part(sid)
         folder.remove_marker(sid)
+        storage.remove(quarantine_url(folder.out, sid))
 
 
 def _left_the_set(folder: SetFolder, removed: list, live_shards: list[str]) -> list:

@@ -141,6 +141,12 @@ def quarantine_url(out: str, shard: str) -> str:
     return storage.join(out, "_quarantine", f"{file_name(shard, 'a shard id')}.parquet")
 
 
+def quarantined_shards(out: str) -> set[str]:
+    """Ids of the shards that have a quarantine file under ``OUT/_quarantine``."""
+    urls = storage.list_files(storage.join(out, "_quarantine"), ".parquet")
+    return {url.rsplit("/", 1)[-1].removesuffix(".parquet") for url in urls}
+
+
 def list_sets(out: str) -> list[str]:
     """Names of the sets under ``OUT/sets`` that have metadata (folders only, names checked).
 

@@ -49,6 +49,40 @@ def test_bad_rows_are_skipped_counted_and_quarantined(tmp_path, tiny_model_dir):
     ]
 
 
+def _quarantined(out: Path) -> dict[int, str]:
+    files = sorted((out / "_quarantine").glob("*.parquet"))
+    rows = [row for f in files for row in pq.read_table(f).to_pylist()]
+    return {row["id"]: row["reason"] for row in rows}
+
+
+def test_quarantine_files_follow_the_shards_they_describe(tmp_path, tiny_model_dir):
+    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
+    texts = [text_for(i) for i in range(20)]
+    texts[2] = "   "
+    write_corpus(corpus, list(range(20)), texts)
+    run_library(job(corpus, out, tiny_model_dir))  # without --quarantine: no file
+    assert _quarantined(out) == {}
+    # asked for later: the shard that skipped a row is written again (vectors reused)
+    summary = run_library(job(corpus, out, tiny_model_dir, quarantine=True))
+    assert (summary.shards_run, summary.embedded) == (1, 0)
+    assert _quarantined(out) == {2: "empty_text"}
+    assert run_library(job(corpus, out, tiny_model_dir, quarantine=True)).shards_run == 0
+    # the row fixed: the shard is redone and its file goes, the set holds the row
+    texts[2] = text_for(2)
+    write_corpus(corpus, list(range(20)), texts)
+    run_library(job(corpus, out, tiny_model_dir, quarantine=True))
+    assert _quarantined(out) == {} and 2 in read_set(out, "mean")
+    # a shard retired (the file rewritten with other row groups) takes its file with it
+    texts[2] = ""
+    write_corpus(corpus, list(range(20)), texts)
+    run_library(job(corpus, out, tiny_model_dir, quarantine=True))
+    assert _quarantined(out) == {2: "empty_text"}
+    write_corpus(corpus, list(range(20)), texts, row_group_size=20)
+    run_library(job(corpus, out, tiny_model_dir, quarantine=True))
+    assert len(list((out / "_quarantine").glob("*.parquet"))) == 1  # the new shard's only
+    assert _quarantined(out) == {2: "empty_text"}
+
+
 def test_long_control_and_unusual_unicode_texts_embed(tmp_path, tiny_model_dir):
     texts = [
         "word " * 200_000 + "end",  # 1 MB
