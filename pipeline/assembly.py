@@ -81,13 +81,15 @@ def resolve_job(params: dict, keep_current: bool = True) -> EmbedJob:
     ``EMBEDPIPE_CONFIG``) fill what the job leaves out, and file-given values that other modules
     read from the environment are exported. ``keep_current`` (every run but a backfill, which
     names the sets it adds): a job naming no pooler works on OUT's sets
-    (``keep_sets_current``)."""
+    (``keep_sets_current``), decided on the job as given, before the settings fill it, so a
+    set's own encoder wins over an installation's default model, device or dtype."""
     from pipeline.settings import load_settings
 
     settings = load_settings()
     settings.export_env()
-    job = parse(EmbedJob, settings.apply_to_job(params), "embedding job")
-    return keep_sets_current(job) if keep_current else job
+    if keep_current:
+        params = job_params(keep_sets_current(parse(EmbedJob, params, "embedding job")))
+    return parse(EmbedJob, settings.apply_to_job(params), "embedding job")
 
 
 def keep_sets_current(job: EmbedJob) -> EmbedJob:

@@ -68,6 +68,25 @@ def test_a_job_naming_sets_or_an_out_without_sets_is_left_as_it_is(tmp_path: Pat
     assert kept.encoder.model == str(tiny_model_dir) and kept.encoder.device == "cpu"
 
 
+def test_a_sets_own_encoder_wins_over_the_installations_settings(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
+    made = job(corpus, out, tiny_model_dir, poolers=[CLS])
+    made["encoder"] |= {"max_length": 16}
+    run_library(made)
+    # an installation whose settings name the same model and other defaults
+    monkeypatch.setenv("EMBEDPIPE_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("EMBEDPIPE_DTYPE", "auto")
+    nightly = {k: v for k, v in made.items() if k not in ("poolers", "encoder")}
+    spec = resolve_job(nightly)
+    assert [p.name for p in spec.poolers] == ["cls"]
+    assert (spec.encoder.max_length, spec.encoder.dtype) == (16, "fp32")  # as the set was made
+    assert not needs_model(spec)  # the set's own job: nothing to check against the model
+    # and where OUT has no sets yet the settings still fill the job
+    fresh = resolve_job(nightly | {"out": str(tmp_path / "fresh")})
+    assert (fresh.encoder.model, fresh.encoder.dtype) == (str(tiny_model_dir), "auto")
+
+
 def test_sets_of_different_encoders_are_asked_for_by_name(tmp_path: Path, tiny_model_dir: Path):
     corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
     run_library(job(corpus, out, tiny_model_dir, poolers=[{"name": "max"}]))
