@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.errors import EmbedpipeError
+from pipeline.errors import ConfigError, EmbedpipeError
 from pipeline.settings import cache_root
 
 MODE_ENV = "EMBEDPIPE_PREFECT_SERVER"  # "local" (the CLI's default) or "ephemeral"
@@ -167,6 +167,18 @@ def stop_local_server(cache: Path | None = None) -> bool:
         return False  # the pid was reused by another process
     os.kill(pid, signal.SIGTERM)
     return True
+
+
+def check_scheduler() -> None:
+    """A cron schedule runs only on a Prefect server that runs its scheduler: one the user
+    configured (``PREFECT_API_URL``). Prefect's temporary server, and the reused local one,
+    run no services, so their schedules never fire: refused in one line."""
+    if not _configured_api_url():
+        raise ConfigError(
+            "schedule needs a Prefect server that runs its scheduler: start one (`prefect "
+            "server start`, or the stack in infra/) and set PREFECT_API_URL to its API; "
+            "without one no scheduled run would ever start"
+        )
 
 
 def _configured_api_url() -> str | None:

@@ -185,3 +185,18 @@ def test_a_reused_server_is_pinned_to_its_own_database(tmp_path: Path) -> None:
             seen.append(_identity()["database"])
     assert seen[0] == seen[2] != seen[1] and "*" not in seen[0]
     assert str(tmp_path) not in seen[0]  # hashed: the URL may hold a password
+
+
+def test_schedule_without_a_server_that_schedules_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Prefect's temporary server and the reused local one run no scheduler: served on one,
+    a cron deployment never starts a run. Refused before anything is registered."""
+    corpus = tmp_path / "c.parquet"
+    corpus.write_bytes(b"")  # never read: the check comes first
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "schedule", str(corpus), str(tmp_path / "out"),
+         "--cron", "* * * * *"], env=_env(tmp_path), capture_output=True, text=True,
+        timeout=120, cwd=REPO)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "schedule needs a Prefect server that runs its scheduler" in lines[0]
+    assert not (tmp_path / "cache" / "prefect-server.json").exists()  # nothing started

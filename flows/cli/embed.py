@@ -64,7 +64,8 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("--quarantine", action="store_true", default=None,
                    help="write skipped rows to OUT/_quarantine/")
     p.add_argument("--dedupe", action="store_true", default=None,
-                   help="keep the first row with a valid text of each duplicated id instead of failing")
+                   help="keep the first row with a valid text of each duplicated id "
+                        "instead of failing")
 
 
 def _json_arg(p: argparse.ArgumentParser) -> None:
@@ -109,8 +110,10 @@ def run_backfill(args: argparse.Namespace) -> int:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
+    from flows.runtime import check_scheduler
     from pipeline.assembly import build_job, check_input
 
+    check_scheduler()
     job = build_job(args.corpus, args.out, config=args.config, poolers=args.pooler,
                     **_options(args))
     check_input(job)
