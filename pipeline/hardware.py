@@ -47,6 +47,11 @@ ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
 # kernels kept per cache: the products' ladder of shapes and the attention's recent ones (a
 # user's setting wins)
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "64"}
+# the probe's one line of figures starts with this; its other stdout (ONEDNN_VERBOSE's log) is not
+PROBE_MARK = "embedpipe-probe: "
+# /proc/cpuinfo lines that tell CPUs apart: x86's model name and flags; ARM's features, maker
+# and part (its cpuinfo has no model name); never the volatile MHz or BogoMIPS
+CPU_ID_FIELDS = ("flags", "model name", "Features", "CPU implementer", "CPU variant", "CPU part")
 
 _PROBE = r"""
 import json, time, torch
@@ -83,17 +88,18 @@ while time.perf_counter() < end:
         for _ in range(5):
             kernel()
         best[name] = min(best[name], time.perf_counter() - t)
-print(json.dumps({name: 5 * 2 * 512 * 384 * 1536 / s / 1e9 for name, s in best.items()}))
+print(MARK + json.dumps({name: 5 * 2 * 512 * 384 * 1536 / s / 1e9 for name, s in best.items()}))
 """
 
 
 def cpu_key() -> str:
-    """This CPU (model and flags), the instruction sets its kernels are capped to (the variables
-    below: the same CPU runs other kernels under them) and torch's version, as a short hash."""
+    """This CPU (its ``CPU_ID_FIELDS``), the instruction sets its kernels are capped to (the
+    variables below: the same CPU runs other kernels under them) and torch's version, as a short
+    hash. An x86 CPU's key is what it was before the ARM fields counted (it has none of them)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
+            if line.startswith(CPU_ID_FIELDS):
                 flags += line
     except OSError:
         flags = platform.processor()
@@ -110,16 +116,18 @@ def _cache_file() -> Path:
 def _run_probe(env: dict[str, str]) -> dict | None:
     """The probe's figures; None when it died before bf16 was measured (oneDNN's bf16 trapped).
     A failure of the oneDNN fp32 timings alone leaves their figures None."""
+    script = f"MARK = {PROBE_MARK!r}\n{_PROBE}"
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
         )
         out = done.stdout
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
     figures: dict = dict.fromkeys(FP32_KERNEL_FIGURES)
-    for line in out.splitlines():
-        figures.update(json.loads(line))
+    for line in out.splitlines():  # oneDNN's verbose log may share stdout: only our line counts
+        if line.startswith(PROBE_MARK):
+            figures.update(json.loads(line.removeprefix(PROBE_MARK)))
     return figures if "bf16_gflops" in figures else None
 
 

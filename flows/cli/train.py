@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int)
     p.add_argument("--query-column", default="query")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--group-column", help="keep each group on one side of the held-out split")
+    p.add_argument("--group-column", help="keep each group on one side of the held-out split "
+                   "(default: the query, so all pairs of a query land on one side)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--patience", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256)

@@ -25,6 +25,8 @@ class Learned(Pooler):
         super().__init__(spec, info, parts)
 
     def identity(self) -> dict:
+        """The head's weights, whose file carries the digest of the head.json they were saved
+        with (``heads.load_head`` refuses another), so fingerprints made before stay valid."""
         return {"head_sha256": self.pooling_head.weights_sha256}
 
     def layer_indices(self) -> tuple[int, ...]:

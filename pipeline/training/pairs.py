@@ -35,7 +35,12 @@ class Pairs:
 
 def read_pairs(url: str, query_column: str, text_column: str,
                group_column: str | None = None) -> Pairs:
-    """Read the pair columns from a Parquet file, folder or glob (local or s3://)."""
+    """Read the pair columns from a Parquet file, folder or glob (local or s3://).
+
+    Each pair's group (what ``split_groups`` keeps on one side) is its ``group_column`` value,
+    or without one its query: every pair of a query is then held out or trained on, never
+    both (grouping by text would put a query with several texts on both sides).
+    """
     columns = [query_column, text_column] + ([group_column] if group_column else [])
     if len(set(columns)) != len(columns):
         raise CorpusError(f"{url}: query, text and group columns must differ, got {columns}")
@@ -56,7 +61,7 @@ def read_pairs(url: str, query_column: str, text_column: str,
 def _index(table: pa.Table, qcol: str, tcol: str, gcol: str | None, url: str) -> Pairs:
     queries = table.column(qcol).to_pylist()
     texts = table.column(tcol).to_pylist()
-    groups = table.column(gcol).to_pylist() if gcol else texts
+    groups = table.column(gcol).to_pylist() if gcol else queries
     ids: dict[tuple[bool, str], int] = {}
     q_idx, t_idx, kept_groups = [], [], []
     for query, text, group in zip(queries, texts, groups, strict=True):

@@ -3,7 +3,8 @@
 One forward pass of the frozen encoder fills the cache; every epoch then only runs the
 small head. Each epoch ends with exact retrieval over the held-out split (its queries
 against its distinct texts); the best epoch by MRR@k is kept, and training stops after
-``patience`` epochs without a better one.
+``patience`` epochs without a better one. The held-out states are cached in fp32 whatever
+``cache_dtype`` says, so the recorded metrics are those the ``learned`` pooler serves.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ Log = Callable[[str], None]
 
 @dataclass
 class Split:
-    """Pairs of one side of the split as cache rows; ``text_key`` tells equal texts apart."""
+    """Pairs of one side of the split as rows of its own ``cache``; ``text_key`` tells equal
+    texts apart."""
 
     query: torch.Tensor
     text: torch.Tensor
     query_key: torch.Tensor
     text_key: torch.Tensor
+    cache: StateCache
 
     def __len__(self) -> int:
         return len(self.query)
@@ -60,12 +63,12 @@ def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
     info = encoder.info()
     layers = tuple(resolve_layer(i, info.num_layers) for i in cfg.head_layers(info.num_layers))
     started = time.perf_counter()
-    cache, train_split, val_split = _cache_states(encoder, pairs, train_rows, val_rows,
-                                                  layers, cfg, log)
+    train_split, val_split = _cache_states(encoder, pairs, train_rows, val_rows, layers, cfg,
+                                           log)
     encode_s = time.perf_counter() - started
     del encoder
     head = PoolingHead(head_config(cfg, info))
-    history, best_epoch, best_state = _fit(head, cache, train_split, val_split, cfg, log)
+    history, best_epoch, best_state = _fit(head, train_split, val_split, cfg, log)
     head.load_state_dict(best_state)
     metrics = _summary(history, best_epoch, cfg, len(train_split), len(val_split), pairs.skipped)
     head.cfg = head.cfg.model_copy(update={"metrics": metrics})
@@ -74,12 +77,20 @@ def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
         "config": cfg.model_dump(mode="json"),
         "encoder": {"model": info.model, "model_hash": info.model_hash, "dtype": info.dtype,
                     "max_length": info.max_length},
-        "cache": {"bytes": cache.nbytes, "dtype": str(cache.flat.dtype).removeprefix("torch."),
-                  "rows": len(cache), "encode_seconds": round(encode_s, 2)},
+        "cache": _cache_record(train_split.cache, val_split.cache, encode_s),
         "history": history,
         "metrics": metrics,
     })
     return TrainResult(head.eval(), metrics, history)
+
+
+def _cache_record(train_cache: StateCache, val_cache: StateCache, encode_s: float) -> dict:
+    def dtype(cache: StateCache) -> str:
+        return str(cache.flat.dtype).removeprefix("torch.")
+
+    return {"bytes": train_cache.nbytes + val_cache.nbytes, "dtype": dtype(train_cache),
+            "held_out_dtype": dtype(val_cache), "rows": len(train_cache) + len(val_cache),
+            "encode_seconds": round(encode_s, 2)}
 
 
 def head_config(cfg: TrainConfig, info: EncoderInfo) -> HeadConfig:
@@ -106,46 +117,68 @@ def _choose_rows(pairs: Pairs, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray
 
 
 def _cache_states(encoder: Encoder, pairs: Pairs, train_rows: np.ndarray, val_rows: np.ndarray,
-                  layers: tuple[int, ...], cfg: TrainConfig,
-                  log: Log) -> tuple[StateCache, Split, Split]:
-    """Fit the pairs into the memory budget, then encode each distinct string once."""
+                  layers: tuple[int, ...], cfg: TrainConfig, log: Log) -> tuple[Split, Split]:
+    """Fit the pairs into the memory budget, then encode each distinct string of each side
+    once: the training side in ``cache_dtype``, the held-out side in fp32 (as served)."""
     dtype = cache_dtype(cfg)
     used = np.unique(np.concatenate([*pairs.subset(train_rows), *pairs.subset(val_rows)]))
     tokens = encoder.tokenize_for([pairs.strings[i] for i in used], pairs.is_query[used])
-    cost = np.zeros(len(pairs.strings), np.int64)
-    cost[used] = row_bytes(row_lengths(encoder, tokens), len(layers), encoder.hidden_size,
-                           cfg.token_level, torch.empty(0, dtype=dtype).element_size())
-    train_rows = _fit_budget(pairs, train_rows, val_rows, cost, cfg, log)
-    kept = np.unique(np.concatenate([*pairs.subset(train_rows), *pairs.subset(val_rows)]))
-    position = {s: i for i, s in enumerate(used)}
-    kept_tokens = [tokens[position[s]] for s in kept]
-    log(f"encoding {len(kept)} distinct queries and texts once "
+    lengths = row_lengths(encoder, tokens)
+
+    def cost(side_dtype: torch.dtype) -> np.ndarray:
+        out = np.zeros(len(pairs.strings), np.int64)
+        out[used] = row_bytes(lengths, len(layers), encoder.hidden_size, cfg.token_level,
+                              torch.empty(0, dtype=side_dtype).element_size())
+        return out
+
+    train_rows = _fit_budget(pairs, train_rows, val_rows, cost(dtype), cost(torch.float32),
+                             cfg, log)
+    token_of = dict(zip(used.tolist(), tokens, strict=True))
+    sides = [(np.unique(np.concatenate(pairs.subset(r))), r, d)
+             for r, d in ((train_rows, dtype), (val_rows, torch.float32))]
+    total = sum(len(kept) for kept, _, _ in sides)
+    log(f"encoding {total} distinct queries and texts once per side "
         f"({len(train_rows)} training, {len(val_rows)} held-out pairs)")
     from tqdm import tqdm
 
-    with tqdm(total=len(kept), desc="encoding", unit="text", leave=False,
+    with tqdm(total=total, desc="encoding", unit="text", leave=False,
               disable=not sys.stderr.isatty()) as bar:
-        cache = build_cache(encoder, kept_tokens, layers, cfg.token_level, dtype, bar.update)
+        train_split, val_split = (
+            _encode_side(encoder, pairs, rows, [token_of[i] for i in kept.tolist()], kept,
+                         layers, cfg.token_level, side_dtype, bar.update)
+            for kept, rows, side_dtype in sides)
+    return train_split, val_split
+
+
+def _encode_side(encoder: Encoder, pairs: Pairs, rows: np.ndarray, tokens: list[list[int]],
+                 kept: np.ndarray, layers: tuple[int, ...], token_level: bool,
+                 dtype: torch.dtype, progress: Callable[[int], None]) -> Split:
+    """The pairs ``rows`` over a cache of their strings ``kept`` (content ids ``tokens``)."""
+    cache = build_cache(encoder, tokens, layers, token_level, dtype, progress)
     row_of = np.full(len(pairs.strings), -1, np.int64)
     row_of[kept] = np.arange(len(kept))
-    return cache, _split(pairs, train_rows, row_of), _split(pairs, val_rows, row_of)
+    q, t = pairs.subset(rows)
+    return Split(*(torch.from_numpy(a) for a in (row_of[q], row_of[t], q, t)), cache)
 
 
 def cache_dtype(cfg: TrainConfig) -> torch.dtype:
-    """bf16 halves token-level caches (``auto``); per-text means are small, so fp32."""
+    """The training side's cache: bf16 halves token-level caches (``auto``); per-text means
+    are small, so fp32. The held-out side is always fp32."""
     if cfg.cache_dtype == "auto":
         return torch.bfloat16 if cfg.token_level else torch.float32
     return torch.bfloat16 if cfg.cache_dtype == "bf16" else torch.float32
 
 
-def _fit_budget(pairs: Pairs, train_rows: np.ndarray, val_rows: np.ndarray, cost: np.ndarray,
-                cfg: TrainConfig, log: Log) -> np.ndarray:
-    """The longest prefix of the (shuffled) training pairs whose states fit the budget."""
+def _fit_budget(pairs: Pairs, train_rows: np.ndarray, val_rows: np.ndarray,
+                train_cost: np.ndarray, val_cost: np.ndarray, cfg: TrainConfig,
+                log: Log) -> np.ndarray:
+    """The longest prefix of the (shuffled) training pairs whose states fit the budget once
+    the held-out ones (``val_cost``: fp32 bytes per string) are cached."""
     q, t = pairs.subset(val_rows)
-    val_bytes = int(cost[np.unique(np.concatenate([q, t]))].sum())
+    val_bytes = int(val_cost[np.unique(np.concatenate([q, t]))].sum())
     q, t = pairs.subset(train_rows)
     room = cfg.memory_budget - val_bytes
-    n_fit = int(np.searchsorted(np.cumsum(cost[q] + cost[t]), room, side="right"))
+    n_fit = int(np.searchsorted(np.cumsum(train_cost[q] + train_cost[t]), room, side="right"))
     if n_fit < 2:
         raise ConfigError(
             f"memory_budget {cfg.memory_budget} bytes is too small: the held-out pairs alone "
@@ -158,24 +191,19 @@ def _fit_budget(pairs: Pairs, train_rows: np.ndarray, val_rows: np.ndarray, cost
     return train_rows[:n_fit]
 
 
-def _split(pairs: Pairs, rows: np.ndarray, row_of: np.ndarray) -> Split:
-    q, t = pairs.subset(rows)
-    return Split(*(torch.from_numpy(a) for a in (row_of[q], row_of[t], q, t)))
-
-
-def _fit(head: PoolingHead, cache: StateCache, train_split: Split, val_split: Split,
-         cfg: TrainConfig, log: Log) -> tuple[list[dict], int, dict]:
+def _fit(head: PoolingHead, train_split: Split, val_split: Split, cfg: TrainConfig,
+         log: Log) -> tuple[list[dict], int, dict]:
     """Epochs of InfoNCE with early stopping: the history, the best epoch and its weights."""
     k = cfg.k
-    first = evaluate(head, cache, val_split, k)
+    first = evaluate(head, val_split, k)
     history = [{"epoch": 0, "train_loss": None, **first}]
     log(f"epoch 0 (untrained head): held-out MRR@{k} {first[f'mrr@{k}']:.4f}")
     best, best_state, best_epoch, stale = first[f"mrr@{k}"], _copy(head), 0, 0
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
     for epoch in range(1, cfg.epochs + 1):
-        loss = _epoch(head, optimizer, cache, train_split, cfg, generator)
-        scores = evaluate(head, cache, val_split, k)
+        loss = _epoch(head, optimizer, train_split, cfg, generator)
+        scores = evaluate(head, val_split, k)
         history.append({"epoch": epoch, "train_loss": loss, **scores})
         log(f"epoch {epoch}: train loss {loss:.4f}, held-out MRR@{k} {scores[f'mrr@{k}']:.4f}, "
             f"recall@{k} {scores[f'recall@{k}']:.4f}")
@@ -193,8 +221,8 @@ def _copy(head: PoolingHead) -> dict:
     return copy.deepcopy(head.state_dict())
 
 
-def _epoch(head: PoolingHead, optimizer: torch.optim.Optimizer, cache: StateCache,
-           split: Split, cfg: TrainConfig, generator: torch.Generator) -> float:
+def _epoch(head: PoolingHead, optimizer: torch.optim.Optimizer, split: Split, cfg: TrainConfig,
+           generator: torch.Generator) -> float:
     head.train()
     order = torch.randperm(len(split), generator=generator)
     losses = []
@@ -203,7 +231,7 @@ def _epoch(head: PoolingHead, optimizer: torch.optim.Optimizer, cache: StateCach
             batch = order[start : start + cfg.batch_size]
             if len(batch) < 2:  # one pair has no in-batch negative
                 continue
-            loss = info_nce(head, cache, split, batch, cfg.temperature)
+            loss = info_nce(head, split, batch, cfg.temperature)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -212,11 +240,11 @@ def _epoch(head: PoolingHead, optimizer: torch.optim.Optimizer, cache: StateCach
     return float(np.mean(losses))
 
 
-def info_nce(head: PoolingHead, cache: StateCache, split: Split, batch: torch.Tensor,
+def info_nce(head: PoolingHead, split: Split, batch: torch.Tensor,
              temperature: float) -> torch.Tensor:
     """Symmetric InfoNCE over the batch; equal texts or queries are not counted as negatives."""
-    q = F.normalize(head(*cache.batch(split.query[batch])), dim=-1)
-    t = F.normalize(head(*cache.batch(split.text[batch])), dim=-1)
+    q = F.normalize(head(*split.cache.batch(split.query[batch])), dim=-1)
+    t = F.normalize(head(*split.cache.batch(split.text[batch])), dim=-1)
     logits = q @ t.T / temperature
     tk, qk = split.text_key[batch], split.query_key[batch]
     same = (tk[:, None] == tk[None, :]) | (qk[:, None] == qk[None, :])
@@ -235,12 +263,12 @@ def head_vectors(head: PoolingHead, cache: StateCache, rows: torch.Tensor,
     return torch.cat(out).numpy()
 
 
-def evaluate(head: PoolingHead, cache: StateCache, split: Split, k: int) -> dict[str, float]:
+def evaluate(head: PoolingHead, split: Split, k: int) -> dict[str, float]:
     """Exact search of each held-out query over the distinct held-out texts."""
     head.eval()
     texts, gold = torch.unique(split.text, return_inverse=True)
-    return retrieval_metrics(head_vectors(head, cache, split.query),
-                             head_vectors(head, cache, texts), gold.numpy(), k)
+    return retrieval_metrics(head_vectors(head, split.cache, split.query),
+                             head_vectors(head, split.cache, texts), gold.numpy(), k)
 
 
 def _summary(history: list[dict], best_epoch: int, cfg: TrainConfig, n_train: int, n_val: int,

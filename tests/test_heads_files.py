@@ -1,0 +1,210 @@
+"""A learned head's files are trusted only as far as they are checked: head.json's ``layers``
+are validated and bound to the weights saved with them, the safetensors header's entries are typed,
+and neither file is read past its bound, from a device, a FIFO or through a link out of its
+folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.data import TextBatch
+from pipeline.embedder import Embedder
+from pipeline.errors import ConfigError
+from pipeline.models.loader import read_model_files
+from pipeline.poolers import heads
+from pipeline.poolers.heads import HeadConfig, PoolingHead, load_head, save_head
+
+TEXTS = ["pepper walnut in the garden", "a stone river", "short", "the copper lantern " * 3]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An attention head for the tiny BERT, with a random (not uniform) token scorer."""
+    cfg = HeadConfig(kind="attention", hidden_size=32, num_layers=2, layers=(-1,),
+                     model_hash=read_model_files(str(tiny_model_dir)).model_hash())
+    torch.manual_seed(0)
+    head = PoolingHead(cfg)
+    with torch.no_grad():
+        head.scorer.weight.normal_()
+    folder = tmp_path_factory.mktemp("head")
+    save_head(head, str(folder))
+    return folder
+
+
+def copy_head(head_dir: Path, target: Path, **changes: object) -> Path:
+    """A copy of the head whose head.json has ``changes``."""
+    shutil.copytree(head_dir, target)
+    return edit_head(target, **changes)
+
+
+def edit_head(folder: Path, **changes: object) -> Path:
+    """``folder`` with ``changes`` made to its head.json in place."""
+    cfg = json.loads((folder / "head.json").read_text()) | changes
+    (folder / "head.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def served(folder: Path, model: Path) -> tuple[str, np.ndarray]:
+    emb = Embedder(EncoderConfig(model=str(model), dtype="fp32"),
+                   [PoolerSpec(name="learned", strategy="learned", head=str(folder))])
+    vectors = emb.embed(TextBatch(list(range(len(TEXTS))), TEXTS)).vectors["learned"]
+    return emb.fingerprint("learned"), vectors
+
+
+def test_a_head_json_edited_since_its_weights_were_saved_is_refused(
+        head_dir: Path, tmp_path: Path) -> None:
+    """Same folder and weights, head.json edited to read another layer (other vectors, the
+    same weights hash): the weights carry the digest of the head.json saved with them."""
+    folder = copy_head(head_dir, tmp_path / "h")
+    load_head(str(folder))
+    for change in ({"layers": [-2]}, {"layers": [-1], "model_hash": "0123456789abcdef"}):
+        edited = copy_head(head_dir, tmp_path / f"h{len(change)}", **change)
+        with pytest.raises(ConfigError, match=r"head.json is not the one its weights were "
+                                              r"saved with") as err:
+            load_head(str(edited))
+        assert "\n" not in str(err.value)
+
+
+def test_what_does_not_change_vectors_may_change_and_old_heads_still_load(
+        head_dir: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The recorded metrics, or the last layer named from the bottom (2) or the top (-1);
+    and a head saved before its weights carried the digest keeps its fingerprint."""
+    folder = copy_head(head_dir, tmp_path / "h")
+    base, vectors = served(folder, tiny_model_dir)
+    assert served(edit_head(folder, metrics={"val_mrr@10": 0.9}), tiny_model_dir)[0] == base
+    assert served(edit_head(folder, layers=[2]), tiny_model_dir)[0] == base
+    older = copy_head(head_dir, tmp_path / "older")  # its weights saved without metadata
+    tensors = heads.load_safetensors((older / "head.safetensors").read_bytes())
+    (older / "head.safetensors").write_bytes(heads.save_safetensors(tensors))
+    fingerprint, again = served(older, tiny_model_dir)
+    assert np.allclose(again, vectors, atol=1e-6)
+    emb = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32"),
+                   [PoolerSpec(name="learned", strategy="learned", head=str(older))])
+    assert emb.poolers["learned"].identity() == {
+        "head_sha256": load_head(str(older)).weights_sha256}  # the weights alone, as before
+
+
+@pytest.mark.parametrize(("layers", "problem"), [
+    ([], "non-empty list of layers -3..2"),
+    ([-1] * 20000, "layers must be distinct"),
+    ([-1, 2], "layers must be distinct"),  # the same layer twice
+    ([3], "layers -3..2 of a 2-layer encoder, got \\[3\\]"),
+    ([-4], "got \\[-4\\]"),
+])
+def test_bad_layers_are_refused_in_one_line(head_dir: Path, tmp_path: Path, layers: list[int],
+                                            problem: str) -> None:
+    folder = copy_head(head_dir, tmp_path / "h", layers=layers)
+    with pytest.raises(ConfigError, match=problem) as err:
+        load_head(str(folder))
+    assert "head.json" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_encoder_deeper_than_any_is_refused() -> None:
+    with pytest.raises(ValueError, match="num_layers"):
+        HeadConfig(kind="attention", hidden_size=32, num_layers=10**6, model_hash="x")
+
+
+def rewrite_header(folder: Path, tensor: str, field: str, value: object) -> None:
+    file = folder / "head.safetensors"
+    raw = file.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    header[tensor][field] = value
+    text = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("shape", 5), ("shape", [None]), ("shape", [True]), ("shape", [-1]),
+    ("data_offsets", 7), ("data_offsets", ["a", 4]), ("data_offsets", [0]),
+    ("data_offsets", [4, 0]), ("dtype", None),
+])
+def test_a_malformed_safetensors_header_fails_in_one_line(head_dir: Path, tmp_path: Path,
+                                                          field: str, value: object) -> None:
+    folder = copy_head(head_dir, tmp_path / "h")
+    rewrite_header(folder, "scorer.bias", field, value)
+    with pytest.raises(ConfigError, match="head.safetensors is not a safetensors file: header "
+                                          "entry 'scorer.bias'"):
+        load_head(str(folder))
+
+
+@pytest.mark.parametrize("name", ["head.json", "head.safetensors"])
+def test_a_link_to_a_device_is_refused_unread(head_dir: Path, tmp_path: Path, name: str) -> None:
+    """/dev/zero's size reads 0: it was read until memory ran out."""
+    folder = copy_head(head_dir, tmp_path / "h")
+    (folder / name).unlink()
+    (folder / name).symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match=f"{name} is not a regular file"):
+        load_head(str(folder))
+
+
+def test_a_fifo_is_refused_not_waited_on(head_dir: Path, tmp_path: Path) -> None:
+    folder = copy_head(head_dir, tmp_path / "h")
+    fifo = folder / "head.json"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_head(str(folder))
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    if reader.is_alive():  # waiting for a writer: be one, so the thread ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=20)
+        pytest.fail("loading a head whose head.json is a FIFO waited for a writer")
+    assert isinstance(outcome[0], ConfigError)
+    assert "head.json is not a regular file" in str(outcome[0])
+
+
+def test_a_link_out_of_the_head_folder_is_refused(head_dir: Path, tmp_path: Path) -> None:
+    elsewhere = copy_head(head_dir, tmp_path / "elsewhere")
+    folder = copy_head(head_dir, tmp_path / "h")
+    (folder / "head.safetensors").unlink()
+    (folder / "head.safetensors").symlink_to(elsewhere / "head.safetensors")
+    with pytest.raises(ConfigError, match="head.safetensors links to .*elsewhere.*outside"):
+        load_head(str(folder))
+
+
+def test_a_link_inside_the_head_folder_loads(head_dir: Path, tmp_path: Path) -> None:
+    folder = copy_head(head_dir, tmp_path / "h")
+    (folder / "v1").mkdir()
+    for name in ("head.json", "head.safetensors"):
+        (folder / name).rename(folder / "v1" / name)
+        (folder / name).symlink_to(Path("v1") / name)
+    reloaded = load_head(str(folder))
+    assert torch.equal(reloaded.scorer.weight, load_head(str(head_dir)).scorer.weight)
+
+
+def test_a_file_is_read_no_further_than_its_checked_size(tmp_path: Path) -> None:
+    """The size read before may be stale (a file that grew or shrank): the read itself is
+    bounded, and a file of another size refused."""
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * 101)
+    for stale in (100, 102):
+        with pytest.raises(ConfigError, match=f"big.json changed while it was read \\({stale}"):
+            heads._read_at_most(str(big), stale)
+    assert heads._read_at_most(str(big), 101) == b" " * 101
+
+
+def test_a_huge_head_json_shape_reads_no_more_than_the_file(head_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """A head.json implying 40 TB of weights bounds nothing: the read is the file's size."""
+    folder = copy_head(head_dir, tmp_path / "h", kind="positional", max_positions=10**13)
+    with pytest.raises(ConfigError, match=r"does not match its head.json.*\[10000000000000\]"):
+        load_head(str(folder))
