@@ -214,7 +214,7 @@ def test_the_probe_output_is_read_line_by_line(
     """Figures printed before a crash count, a missing oneDNN figure is None, and only a
     missing bf16 figure reads as bf16 trapping."""
     names = ["fp32_gflops", "bf16_gflops", "fp32_onednn_gflops"]
-    lines = "; ".join(f"print(json.dumps({{{names[i]!r}: {i + 1}.0}}), flush=True)"
+    lines = "; ".join(f"print(MARK + json.dumps({{{names[i]!r}: {i + 1}.0}}), flush=True)"
                       for i in range(dies_after))
     monkeypatch.setattr(hardware, "_PROBE", f"import json, os; {lines}; os.abort()")
     assert hardware._run_probe(dict(os.environ)) == expected
