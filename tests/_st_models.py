@@ -10,11 +10,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
+
+from pipeline.config import EncoderConfig, PoolerSpec
+from pipeline.embedder import Embedder
+from pipeline.vectors import row_cosines
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 PYPI = SHARED / "pypi_summaries_200k.parquet"
 PROMPTS = {"query": "query: ", "document": "passage: ", "search": "Represent this for search: "}
+MIN_COSINE = 0.9999  # embedpipe's vectors against sentence-transformers' own
+
+
+def ours_for(folder: Path, *specs: PoolerSpec, **encoder) -> Embedder:
+    """embedpipe's Embedder over ``folder`` in fp32 on the CPU: ``specs``, else the model's
+    own pipeline (set ``model``)."""
+    cfg = EncoderConfig(model=str(folder), dtype="fp32", device="cpu", **encoder)
+    return Embedder(cfg, list(specs) or [PoolerSpec(name="model")])
+
+
+def assert_same(ours: np.ndarray, theirs: np.ndarray, what: str) -> float:
+    """The same vectors: every row's cosine >= MIN_COSINE and its norm within 1e-4; returns
+    the worst cosine."""
+    assert ours.shape == theirs.shape, (what, ours.shape, theirs.shape)
+    worst = float(row_cosines(ours, theirs).min())
+    assert worst >= MIN_COSINE, (what, worst)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), np.linalg.norm(theirs, axis=1),
+                               rtol=1e-4, err_msg=what)
+    return worst
 
 
 def real_texts(n: int = 300) -> list[str]:

@@ -10,16 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _st_models import PROMPTS, Variant, real_texts, save_variant
+from _st_models import PROMPTS, Variant, assert_same, ours_for, real_texts, save_variant
 from conftest import TINY_MAX_POSITIONS, build_tiny_bert
 
-from pipeline.config import EncoderConfig, PoolerSpec, WindowConfig
+from pipeline.config import PoolerSpec, WindowConfig
 from pipeline.data import TextBatch
-from pipeline.embedder import Embedder
-from pipeline.vectors import row_cosines
 from pipeline.windows import truncate
 
-MIN_COSINE = 0.9999
 LONG = ["start words " + "filler " * 300 + " end of the long text",
         " ".join(f"token{i}" for i in range(400))]
 
@@ -29,18 +26,6 @@ def texts() -> list[str]:
     return real_texts(120) + LONG
 
 
-def ours_for(folder: Path, *specs: PoolerSpec, **encoder) -> Embedder:
-    cfg = EncoderConfig(model=str(folder), dtype="fp32", device="cpu", **encoder)
-    return Embedder(cfg, list(specs) or [PoolerSpec(name="model")])
-
-
-def assert_same(ours: np.ndarray, theirs: np.ndarray, what: str) -> float:
-    assert ours.shape == theirs.shape, (what, ours.shape, theirs.shape)
-    worst = float(row_cosines(ours, theirs).min())
-    assert worst >= MIN_COSINE, (what, worst)
-    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), np.linalg.norm(theirs, axis=1),
-                               rtol=1e-4, err_msg=what)
-    return worst
 
 
 def edit_tokenizer_config(folder: Path, **changes) -> None:

@@ -13,15 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _st_models import VARIANTS, Variant, real_texts, save_variant
+from _st_models import VARIANTS, Variant, assert_same, ours_for, real_texts, save_variant
 from conftest import build_tiny_bert
 
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.data import TextBatch
 from pipeline.embedder import Embedder
 from pipeline.vectors import row_cosines
-
-MIN_COSINE = 0.9999
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +34,6 @@ def st_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {v.name: save_variant(base, root / v.name, v) for v in VARIANTS}
 
 
-def assert_same(ours: np.ndarray, theirs: np.ndarray, what: str) -> float:
-    assert ours.shape == theirs.shape, (what, ours.shape, theirs.shape)
-    worst = float(row_cosines(ours, theirs).min())
-    assert worst >= MIN_COSINE, (what, worst)
-    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), np.linalg.norm(theirs, axis=1),
-                               rtol=1e-4, err_msg=what)
-    return worst
-
-
-def ours_for(folder: Path, **encoder) -> Embedder:
-    cfg = EncoderConfig(model=str(folder), dtype="fp32", device="cpu", **encoder)
-    return Embedder(cfg, [PoolerSpec(name="model")])
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
