@@ -63,6 +63,11 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
     window = {field: chosen[k] for k, field in WINDOW_OPTIONS.items() if k in chosen}
     if window:
         encoder["window"] = dict(encoder.get("window") or {}) | window
+        if "size" not in encoder["window"]:
+            given = ", ".join(f"--{k.replace('_', '-')}" for k in WINDOW_OPTIONS if k in chosen)
+            raise ConfigError(f"{given} without a window size: give --window N (or the "
+                              "config's window.size); a backfill takes its sets' windows whole "
+                              "when none of --window, --stride, --window-agg is given")
     job = {**file, "corpus": str(corpus), "out": str(out), "encoder": encoder}
     job |= {k: chosen[k] for k in JOB_OPTIONS if k in chosen}
     names = list(poolers or []) or list(defined)

@@ -119,3 +119,15 @@ def test_a_stored_pooler_is_checked_before_it_is_run(tmp_path: Path, tiny_model_
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match=error):
         keep_sets_current(parse(EmbedJob, _unnamed(job(corpus, out, tiny_model_dir)), "job"))
+
+
+@pytest.mark.parametrize("given", [{"window_agg": "max"}, {"stride": 8, "window_agg": "first"}])
+def test_window_options_without_a_size_are_one_line(tmp_path: Path, given: dict) -> None:
+    from pipeline.assembly import build_job
+
+    flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+    with pytest.raises(ConfigError, match=f"^{flags} without a window size: give --window N"):
+        build_job(str(tmp_path / "c.parquet"), str(tmp_path / "out"), **given)
+    sized = build_job(str(tmp_path / "c.parquet"), str(tmp_path / "out"),
+                      **({"window": 16, "stride": 8} | given))
+    assert sized.encoder.window.size == 16 and sized.encoder.window.agg == given["window_agg"]
