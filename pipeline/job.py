@@ -187,7 +187,9 @@ def embed_shard(request: ShardRequest) -> ShardResult:
         stats.duplicates += len(piece.need) - len(piece.unique)
         stats.embedded += len(piece.need)
         collected.add(piece, encoded, previous)
-    stats.reused = max(collected.reused.values(), default=0)
+    # rows every set took from its stored vectors: with ``embedded`` (rows some set encoded)
+    # never more than the rows read, when one set is new and another done
+    stats.reused = min(collected.reused.values(), default=0)
     stats = ShardStats.total([stats, reader])
     tick = time.perf_counter()
     _write_quarantine(request, quarantine)

@@ -24,7 +24,7 @@ class ShardStats(BaseModel):
     embedded: int = 0  # rows whose vector came from this run's encoder
     encoded: int = 0  # distinct texts that went through the encoder
     duplicates: int = 0  # rows that shared the forward pass of an identical text
-    reused: int = 0  # rows whose stored vector was kept (same id and content hash)
+    reused: int = 0  # rows whose stored vectors every set kept (same id and content hash)
     tokens: int = 0  # content tokens through the encoder (after truncation)
     windows: int = 0  # encoder rows (pieces): one per text, more with windows
     truncated: int = 0  # texts cut at max_length

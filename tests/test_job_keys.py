@@ -175,3 +175,14 @@ def test_a_set_is_never_fed_from_other_corpus_columns_and_follows_a_moved_corpus
     assert summary.embedded == 0 and summary.shards_run == 0
     assert SetFolder(str(out), "mean").meta().corpus == str(moved)  # snippets come from here
     assert same_vectors(read_set(out, "mean"), before)
+
+
+def test_the_counts_add_up_when_one_set_is_new_and_another_done(
+        tmp_path: Path, corpus: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    run_library(job(corpus, out, tiny_model_dir, poolers=[{"name": "cls"}]))
+    both = job(corpus, out, tiny_model_dir, poolers=[{"name": "cls"}, {"name": "max"}])
+    summary = run_library(both, verify=True)  # cls keeps its vectors, max needs every row
+    assert (summary.rows, summary.embedded, summary.reused) == (40, 40, 0)
+    again = run_library(both, verify=True)
+    assert (again.rows, again.embedded, again.reused) == (40, 0, 40)
