@@ -331,3 +331,19 @@ def test_pairs_and_head_on_s3(s3_bucket: str, pairs_path: str, tiny_model_dir: P
     texts = ["pepper walnut", "the cloud of copper"]
     np.testing.assert_allclose(_vectors(emb, texts)["learned"],
                                _in_memory(result, tiny_model_dir, texts), atol=1e-5)
+
+
+def test_train_pooler_takes_the_installations_encoder_where_flags_give_none(
+        tiny_model_dir, monkeypatch, tmp_path):
+    from flows.cli import build_parser
+    from flows.cli.train import to_config
+
+    monkeypatch.setenv("EMBEDPIPE_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("EMBEDPIPE_DTYPE", "fp32")
+    args = build_parser().parse_args(["train-pooler", "p.parquet", str(tmp_path / "h"),
+                                      "--kind", "attention"])
+    encoder = to_config(args).encoder
+    assert (encoder.model, encoder.dtype, encoder.device) == (str(tiny_model_dir), "fp32", "auto")
+    args = build_parser().parse_args(["train-pooler", "p.parquet", str(tmp_path / "h"),
+                                      "--kind", "attention", "--dtype", "bf16"])
+    assert to_config(args).encoder.dtype == "bf16"  # a flag wins

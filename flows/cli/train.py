@@ -23,9 +23,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", action="store_true", help="add a linear adapter after pooling")
     p.add_argument("--out-dim", type=int, help="output size of the adapter")
     p.add_argument("--layers", help="comma-separated layers, e.g. -1,-2 (default: by kind)")
-    p.add_argument("--model", help="model folder or cached HF name (default: packaged MiniLM)")
-    p.add_argument("--device", default="auto", choices=get_args(Device))
-    p.add_argument("--dtype", default="auto", choices=get_args(DType))
+    p.add_argument("--model", help="model folder or cached HF name (default: the "
+                   "installation's EMBEDPIPE_MODEL, else the packaged MiniLM)")
+    p.add_argument("--device", choices=get_args(Device),
+                   help="default: the installation's EMBEDPIPE_DEVICE, else auto")
+    p.add_argument("--dtype", choices=get_args(DType),
+                   help="default: the installation's EMBEDPIPE_DTYPE, else auto")
     p.add_argument("--max-length", type=int)
     p.add_argument("--query-column", default="query")
     p.add_argument("--text-column", default="text")
@@ -46,10 +49,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def to_config(args: argparse.Namespace):
     """The TrainConfig of the flags (validation errors name the flag's field)."""
+    from pipeline.settings import load_settings
     from pipeline.training import TrainConfig
 
-    encoder = {"model": args.model, "device": args.device, "dtype": args.dtype,
-               "max_length": args.max_length}
+    given = {"model": args.model, "device": args.device, "dtype": args.dtype,
+             "max_length": args.max_length}
+    # what the flags leave out: the installation's settings, as for `embed`
+    encoder = load_settings().apply_to_job({"encoder": given})["encoder"]
     raw = {
         "pairs": args.pairs, "out": args.out, "kind": args.kind, "adapter": args.adapter,
         "out_dim": args.out_dim, "layers": _layers(args.layers), "encoder": encoder,
