@@ -20,6 +20,7 @@ S3 specifics handled here, so callers can treat every URL alike:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -233,9 +234,14 @@ def _write_local_atomic(path: str, fill) -> None:
 
 
 def _sync_folder(folder: str) -> None:
+    """fsync ``folder`` (its entries: the rename). A file system that cannot sync a folder
+    (EINVAL, ENOTSUP: some FUSE and network mounts) offers no such durability to keep."""
     fd = os.open(folder or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 

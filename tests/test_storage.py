@@ -144,6 +144,23 @@ def test_a_local_write_is_durable_in_order_file_then_its_rename(tmp_path: Path,
     assert events[1][1] == str(target) and events[2][1] == str(target.parent)
 
 
+def test_a_file_system_that_cannot_sync_a_folder_still_takes_the_write(tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    import errno
+    import stat
+
+    fsync = os.fsync
+
+    def no_folder_sync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")  # some FUSE and network mounts
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_folder_sync)
+    storage.write_json(str(tmp_path / "a.json"), {"rows": 3})
+    assert storage.read_json(str(tmp_path / "a.json")) == {"rows": 3}
+
+
 def test_s3_transient_upload_failure_is_retried(s3_server, s3_bucket: str) -> None:
     """An upload that dies half-way once is retried by the client and lands whole."""
     url = f"s3://{s3_bucket}/out/part-0.parquet"
