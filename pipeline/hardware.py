@@ -47,6 +47,11 @@ ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
 # kernels kept per cache: the products' ladder of shapes and the attention's recent ones (a
 # user's setting wins)
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "64"}
+PROBE_TIMEOUT_S = 120  # the probe takes seconds; past this the machine is too loaded to tell
+# what a process runs with when the probe could not finish: nothing measured, bf16 not taken,
+# AMX capped as if it trapped (never cached: the next process measures)
+UNMEASURED = {"fp32_gflops": None, "bf16_gflops": None, **dict.fromkeys(FP32_KERNEL_FIGURES),
+              "bf16_ok": False, "amx_traps": True}
 # the probe's one line of figures starts with this; its other stdout (ONEDNN_VERBOSE's log) is not
 PROBE_MARK = "embedpipe-probe: "
 # /proc/cpuinfo lines that tell CPUs apart: x86's model name and flags; ARM's features, maker
@@ -113,22 +118,33 @@ def _cache_file() -> Path:
     return cache_root() / f"cpu-probe-v3-{cpu_key()}.json"  # v3: the fused up product too
 
 
+class ProbeTimedOut(Exception):
+    """The probe ran past ``PROBE_TIMEOUT_S`` before bf16 was measured: a loaded machine, not
+    a trap; nothing is concluded (or cached) from it."""
+
+
 def _run_probe(env: dict[str, str]) -> dict | None:
-    """The probe's figures; None when it died before bf16 was measured (oneDNN's bf16 trapped).
-    A failure of the oneDNN fp32 timings alone leaves their figures None."""
+    """The probe's figures; None when it died before bf16 was measured (oneDNN's bf16 trapped);
+    ``ProbeTimedOut`` when it was still running then. A failure of the oneDNN fp32 timings
+    alone leaves their figures None."""
     script = f"MARK = {PROBE_MARK!r}\n{_PROBE}"
+    timed_out = False
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-        )
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=PROBE_TIMEOUT_S)
         out = done.stdout
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        timed_out = True
     figures: dict = dict.fromkeys(FP32_KERNEL_FIGURES)
     for line in out.splitlines():  # oneDNN's verbose log may share stdout: only our line counts
         if line.startswith(PROBE_MARK):
             figures.update(json.loads(line.removeprefix(PROBE_MARK)))
-    return figures if "bf16_gflops" in figures else None
+    if "bf16_gflops" in figures:
+        return figures
+    if timed_out:
+        raise ProbeTimedOut
+    return None
 
 
 def _measure() -> dict:
@@ -152,7 +168,10 @@ def cpu_profile() -> dict:
     cache = _cache_file()
     profile = _read_profile(cache)
     if profile is None:
-        profile = _measure()
+        try:
+            profile = _measure()
+        except ProbeTimedOut:  # this process runs safe (fp32, AMX capped); the next measures
+            return dict(UNMEASURED)
         write_cache(cache, profile)
     return profile
 

@@ -110,3 +110,22 @@ def test_the_probe_runs_with_onednn_verbose() -> None:
     figures = hardware._run_probe(env)
     assert figures is not None
     assert figures["fp32_gflops"] > 0 and figures["bf16_gflops"] > 0
+
+
+def test_a_probe_that_runs_out_of_time_concludes_nothing_and_caches_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded machine is not a trapping one: the run takes the safe path (fp32, AMX capped)
+    and the next process measures again (a timeout was cached as AMX trapping, for good)."""
+    monkeypatch.setenv("EMBEDPIPE_CACHE", str(tmp_path))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(hardware, "_PROBE", "import time; time.sleep(60)")
+    monkeypatch.setattr(hardware, "PROBE_TIMEOUT_S", 1)
+    cpu_profile.cache_clear()
+    try:
+        with pytest.raises(hardware.ProbeTimedOut):
+            hardware._run_probe(dict(os.environ))
+        profile = cpu_profile()
+    finally:
+        cpu_profile.cache_clear()
+    assert profile == hardware.UNMEASURED and not profile["bf16_ok"] and profile["amx_traps"]
+    assert not list(tmp_path.glob("cpu-probe-*.json"))
