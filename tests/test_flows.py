@@ -311,3 +311,19 @@ def test_markers_written_before_the_content_digest_still_count(tmp_path, tiny_mo
     for marker in folder.read_markers().values():  # as an older embedpipe wrote them
         folder.write_marker(marker.model_copy(update={"content": None}))
     assert embed_flow(job(corpus, out, tiny_model_dir))["shards_run"] == 0  # no re-embedding
+
+
+def test_flags_turn_off_what_the_config_file_turns_on(tmp_path):
+    from flows.cli import build_parser
+    from flows.cli.embed import _options
+    from pipeline.assembly import build_job
+
+    config = tmp_path / "job.toml"
+    config.write_text("quarantine = true\ndedupe = true\n")
+    args = build_parser().parse_args(["embed", "c.parquet", "out", "--config", str(config),
+                                      "--no-quarantine", "--no-dedupe"])
+    job_ = build_job(args.corpus, args.out, config=args.config, **_options(args))
+    assert (job_.quarantine, job_.dedupe) == (False, False)
+    args = build_parser().parse_args(["embed", "c.parquet", "out", "--config", str(config)])
+    job_ = build_job(args.corpus, args.out, config=args.config, **_options(args))
+    assert (job_.quarantine, job_.dedupe) == (True, True)

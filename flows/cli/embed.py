@@ -52,7 +52,7 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("--int8-kernel", choices=get_args(Int8Kernel),
                    help="where --dtype int8 runs (default auto: oneDNN in the fused forward "
                    "where this model and CPU allow it, else ONNX Runtime)")
-    p.add_argument("--compile", action="store_true", default=None,
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model through torch.compile: a compile on the first batch "
                    "(MiniLM on 2 cores: 7-25 s), then 1.06-1.22x faster batches (long runs)")
     p.add_argument("--runner", choices=get_args(Runner))
@@ -61,9 +61,9 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("--rows-per-shard", type=int, help="rows per shard (default 20000)")
     p.add_argument("--lease-wait", type=float, metavar="SECONDS",
                    help="wait for another writer of OUT to finish (default: fail at once)")
-    p.add_argument("--quarantine", action="store_true", default=None,
+    p.add_argument("--quarantine", action=argparse.BooleanOptionalAction, default=None,
                    help="write skipped rows to OUT/_quarantine/")
-    p.add_argument("--dedupe", action="store_true", default=None,
+    p.add_argument("--dedupe", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the first row with a valid text of each duplicated id "
                         "instead of failing")
 
