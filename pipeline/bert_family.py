@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 ROBERTA_TYPES = frozenset({"roberta", "xlm-roberta", "camembert"})  # transformers' RoBERTa
 FUSABLE_TYPES = frozenset({"bert", "mpnet", "distilbert", "electra"}) | ROBERTA_TYPES
+# transformers' models whose embeddings number positions from config.pad_token_id + 1 (MPNet:
+# from MPNET_PADDING_IDX + 1): the fusable RoBERTa family and others a plain folder may hold
+POSITION_PADDED_TYPES = ROBERTA_TYPES | {"data2vec-text", "ibert", "longformer",
+                                         "roberta-prelayernorm", "xlm-roberta-xl", "xmod"}
 CHECKPOINT_PREFIX = {kind: kind for kind in ("bert", "mpnet", "distilbert", "electra")} | {
     kind: "roberta" for kind in ROBERTA_TYPES}  # the base model's name inside task models
 MPNET_PADDING_IDX = 1  # MPNetEmbeddings numbers positions from this, whatever the config says
@@ -164,7 +168,7 @@ def position_padding(config: ModelConfig) -> int | None:
     or None where they are numbered from 0 (BERT)."""
     if config.model_type == "mpnet":
         return MPNET_PADDING_IDX
-    return int(config.pad_token_id) if config.model_type in ROBERTA_TYPES else None
+    return int(config.pad_token_id) if config.model_type in POSITION_PADDED_TYPES else None
 
 
 class RelativeBias(torch.nn.Module):

@@ -180,11 +180,12 @@ class Duplicates(BaseModel):
 
 
 def find_duplicates(info: CorpusInfo, id_column: str, text_column: str) -> Duplicates:
-    """Two streaming passes: over the id column only (8 bytes per row stay in memory), then,
-    where some id repeats, over ids and texts. Of an id's rows the first with a valid text is
-    kept and the later ones are dropped; rows before it, whose text is skipped anyway, are
-    left to be skipped for their text, so an id with a valid row is never lost."""
-    keys = [id_keys(batch) for _, _, batch, _ in _id_batches(info, id_column)]
+    """Two streaming passes over the id column (8 bytes per row stay in memory); the second,
+    where some id repeats, also reads the texts of the row groups that hold a repeated id.
+    Of an id's rows the first with a valid text is kept and the later ones are dropped; rows
+    before it, whose text is skipped anyway, are left to be skipped for their text, so an id
+    with a valid row is never lost."""
+    keys = [id_keys(ids) for *_, ids in _id_groups(info, id_column)]
     if not keys:
         return Duplicates()
     every = np.sort(np.concatenate(keys))
@@ -194,17 +195,19 @@ def find_duplicates(info: CorpusInfo, id_column: str, text_column: str) -> Dupli
     kept: set[object] = set()
     drop: dict[str, list[int]] = {}
     examples: list[str] = []
-    for name, start, batch, texts in _id_batches(info, id_column, text_column):
-        values = batch.to_pylist()
-        for i, value in enumerate(values):
-            if value is None or not _maybe_repeated(value, repeated):
-                continue
-            if value in kept:
-                drop.setdefault(name, []).append(start + i)
-                if len(examples) < 10 and repr(value) not in examples:
-                    examples.append(repr(value))
+    for layout, pf, group, start, ids in _id_groups(info, id_column):
+        values = ids.to_pylist()
+        hits = [i for i, v in enumerate(values) if v is not None and _maybe_repeated(v, repeated)]
+        if not hits:
+            continue
+        texts = _texts(pf.read_row_group(group, columns=[text_column]).column(0))
+        for i in hits:
+            if values[i] in kept:
+                drop.setdefault(layout.name, []).append(start + i)
+                if len(examples) < 10 and repr(values[i]) not in examples:
+                    examples.append(repr(values[i]))
             elif _reason(False, False, texts[i]) is None:
-                kept.add(value)
+                kept.add(values[i])
     return Duplicates(examples=examples, rows=sum(map(len, drop.values())), drop=drop)
 
 
@@ -214,18 +217,17 @@ def _maybe_repeated(value: object, repeated: np.ndarray) -> bool:
     return bool(i < len(repeated) and repeated[i] == key)
 
 
-def _id_batches(info: CorpusInfo, id_column: str, text_column: str | None = None
-                ) -> Iterator[tuple[str, int, pa.Array, list | None]]:
-    """(file name, first row, ids, texts as ``validate`` reads them or None) per batch."""
-    columns = [id_column] + ([text_column] if text_column else [])
+def _id_groups(info: CorpusInfo, id_column: str
+               ) -> Iterator[tuple[FileLayout, pq.ParquetFile, int, int, pa.Array]]:
+    """(file, its opened Parquet file, row group, its first row in the file, its ids) for
+    every row group, one at a time, as shards read them."""
     for layout in info.files:
         pf = _open(layout.url)
         start = 0
-        for batch in pf.iter_batches(batch_size=65_536, columns=columns):
-            column = batch.column(0)
-            texts = _texts(batch.column(1)) if text_column else None
-            yield layout.name, start, column, texts
-            start += len(column)
+        for group in range(pf.num_row_groups):
+            ids = pf.read_row_group(group, columns=[id_column]).column(0).combine_chunks()
+            yield layout, pf, group, start, ids
+            start += len(ids)
 
 
 def _open(url: str) -> pq.ParquetFile:

@@ -34,7 +34,7 @@ from pipeline.stats import ShardStats
 from pipeline.token_rows import TokenRows
 from pipeline.torch_thread import on_torch_thread
 from pipeline.vectors import unit_rows
-from pipeline.windows import Pieces, Side, truncate, windows
+from pipeline.windows import Pieces, windows
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ class Embedder:
         wants_attention = any(_needs_attention(spec) for spec in poolers)
         self.encoder = Encoder(encoder, need_attention=wants_attention)
         self.info: EncoderInfo = self.encoder.info()
-        self.truncation_side: Side = self.encoder.tokenizer.truncation_side
         self.poolers: dict[str, Pooler] = {
             name: build_pooler(spec, self.info, self.encoder.parts)
             for name, spec in self.specs.items()
@@ -137,7 +136,7 @@ class Embedder:
         """Whether a long text loses its first tokens, the prompt's first: a tokenizer that
         truncates on the left, windows off. sentence-transformers tokenizes prompt and text as
         one string and truncates that; so do these pieces (windows truncate nothing)."""
-        return self.truncation_side == "left" and self.cfg.window is None
+        return self.encoder.cuts_left and self.cfg.window is None
 
     def encode_tokens(self, ids: list, tokens: Tokens) -> EmbeddingBatch:
         """Step 2 of ``embed``: the forward passes and poolers over tokenized texts."""
@@ -191,7 +190,7 @@ class Embedder:
         lengths = tokens.ids.lengths - lead
         window = self.cfg.window
         if window is None:
-            return truncate(lengths, self.encoder.content_length - lead, self.truncation_side)
+            return self.encoder.kept(lengths, self.encoder.content_length - lead)
         specials = len(self.encoder.prefix) + len(self.encoder.suffix)
         return windows(lengths, window.size - specials - lead, window.stride)
 

@@ -36,6 +36,7 @@ from pipeline.precision import CALIBRATION_TEXTS, DtypeCheck, choose_device, cho
 from pipeline.quantize import INT8, OnnxInt8Model, check_onnx_int8, check_onnxruntime
 from pipeline.token_rows import TokenRows, pad_rows
 from pipeline.tokenize_pool import MIN_TEXTS, TokenizerPool, pool_workers
+from pipeline.windows import Pieces, truncate
 
 if TYPE_CHECKING:
     from pipeline.fused_bert import FusedEncoder
@@ -315,8 +316,8 @@ class Encoder:
                                    facts.suffix, longest)
 
     def _max_length(self, model_limit) -> int:
-        positions = getattr(self.model.config, "max_position_embeddings", None) or 512
-        limit = self.cfg.max_length or model_limit(self.files, self.tokenizer, positions)
+        positions = loader.model_positions(self.model.config)
+        limit = self.cfg.max_length or model_limit(self.files, self.tokenizer, self.model.config)
         if limit > positions:
             raise ConfigError(
                 f"max_length {limit} exceeds the model's {positions} positions ({self.folder})"
@@ -342,6 +343,17 @@ class Encoder:
     def content_length(self) -> int:
         """Content tokens that fit in one forward row next to the special tokens."""
         return self.max_length - len(self.prefix) - len(self.suffix)
+
+    @property
+    def cuts_left(self) -> bool:
+        """Whether a long text loses its first tokens (the tokenizer's ``truncation_side``)."""
+        return self.tokenizer.truncation_side == "left"
+
+    def kept(self, lengths: np.ndarray, content: int | np.ndarray | None = None) -> Pieces:
+        """Which of each text's content tokens (``lengths``) one forward row keeps: ``content``
+        of them (``content_length`` unless given), at the end the tokenizer keeps."""
+        return truncate(lengths, self.content_length if content is None else content,
+                        "left" if self.cuts_left else "right")
 
     def info(self) -> EncoderInfo:
         return EncoderInfo(

@@ -215,7 +215,8 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
 def _claim(job: EmbedJob, id_type: str, load_embedder: Callable[[], Any]
            ) -> dict[str, SetMeta]:
     """Each set's metadata, claimed for this job: from ``_SET.json`` alone when every set
-    was made by this very job before (same keys), else checked against the loaded model."""
+    was made by this very job before (same keys), else checked against the loaded model. Sets
+    of other corpus columns are refused first, by ``_made_by``, before any model loads."""
     keys = job_keys(job)
     stored = _made_by(job, keys, id_type)
     if stored is not None:

@@ -245,7 +245,6 @@ class SetFolder:
                 f"{meta.fingerprint} (model {meta.model}); use another set name or another OUT"
                 + int8_hint(stored.model_hash, meta.model_hash)
             )
-        stored.check_columns(meta.id_column, meta.text_column, self.out)
         if stored.id_type != meta.id_type:
             raise FingerprintError(
                 f"set {self.name!r} in {self.out} stores {stored.id_type} ids, the corpus has "

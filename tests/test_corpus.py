@@ -123,6 +123,21 @@ def test_an_ids_first_valid_row_is_the_one_kept(tmp_path):
     assert kept == {1: "a1", 2: "b", 3: "c", 4: "d"}
 
 
+def test_texts_are_read_only_where_an_id_repeats(tmp_path, monkeypatch):
+    ids = [1, 2, 3, 4, 5, 6, 1, 8]  # row groups of 2: id 1 in groups 0 and 3 only
+    write_corpus(tmp_path / "a.parquet", ids, ["t"] * 8, row_group_size=2)
+    info = describe(str(tmp_path / "a.parquet"), "id", "text")
+    read, real = [], pq.ParquetFile.read_row_group
+
+    def spy(self, i, columns=None, **kwargs):
+        read.append((i, tuple(columns or ())))
+        return real(self, i, columns=columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+    assert find_duplicates(info, "id", "text").drop == {"a.parquet": [6]}
+    assert sorted(i for i, columns in read if "text" in columns) == [0, 3]
+
+
 def test_integer_ids_without_duplicates(tmp_path):
     write_corpus(tmp_path / "a.parquet", list(range(1000)), ["t"] * 1000, row_group_size=100)
     info = describe(str(tmp_path / "a.parquet"), "id", "text")

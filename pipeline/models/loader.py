@@ -16,7 +16,6 @@ from pipeline.errors import ModelError
 from pipeline.models.dense import load_dense, read_dense_config
 from pipeline.models.folder import is_sentence_transformers, resolve_model_dir
 from pipeline.models.hashing import model_hash
-from pipeline.models.jsonfile import read_json
 from pipeline.models.modules import ModuleEntry, read_modules
 from pipeline.models.normalize import Normalize, check_normalize_config
 from pipeline.models.pooling import PoolingConfig, read_pooling_config
@@ -32,9 +31,6 @@ if TYPE_CHECKING:
     from pipeline.models.recorded import ModelConfig
 
 PLAIN_MAX_LENGTH = 512  # a plain HF folder: at most this many tokens unless told otherwise
-# transformers' models whose embeddings number positions from config.pad_token_id + 1
-PADDING_NUMBERED = frozenset({"roberta", "xlm-roberta", "camembert", "data2vec-text", "ibert",
-                              "longformer", "roberta-prelayernorm", "xlm-roberta-xl", "xmod"})
 
 
 @dataclass(frozen=True)
@@ -224,34 +220,34 @@ def _hub(trust_remote_code: bool) -> dict:
     return {"local_files_only": True, "trust_remote_code": trust_remote_code}
 
 
-def max_length(files: ModelFiles, tokenizer: PreTrainedTokenizerFast, positions: int) -> int:
+def max_length(files: ModelFiles, tokenizer: PreTrainedTokenizerFast, config: ModelConfig
+               ) -> int:
     """Tokens per row as sentence-transformers truncates: a saved max_seq_length as is,
     otherwise the tokenizer's limit capped at the model's positions. A plain HF folder: the
     tokenizer's limit capped, as sentence-transformers caps it, at the model's positions (less
     the positions its embeddings skip, ``position_offset``: sentence-transformers' extra ones
     would fail in the model), and at 512."""
-    limit = int(tokenizer.model_max_length)
+    limit, positions = int(tokenizer.model_max_length), model_positions(config)
     if not files.sentence_transformers:
-        return min(limit, PLAIN_MAX_LENGTH, positions - position_offset(files))
+        return min(limit, PLAIN_MAX_LENGTH, positions - position_offset(config))
     pinned = files.transformer.max_seq_length is not None or (
         "model_max_length" in files.transformer.tokenizer_args)
     return limit if pinned else min(limit, positions)
 
 
-def position_offset(files: ModelFiles) -> int:
-    """Positions the transformer's embeddings never use: RoBERTa-style models number real
-    tokens from ``padding_idx + 1`` (``pad_token_id``, 1 unless the config says; MPNet's fixed
-    at 1), so a row of ``n`` tokens reads position ``padding_idx + n``; 0 elsewhere."""
-    from pipeline.bert_family import MPNET_PADDING_IDX
+def model_positions(config: ModelConfig) -> int:
+    """The model's position embeddings (512 where its config names none)."""
+    return int(getattr(config, "max_position_embeddings", None) or 512)
 
-    config = read_json(files.transformer_dir / "config.json")
-    kind = config.get("model_type")
-    if kind == "mpnet":
-        return MPNET_PADDING_IDX + 1
-    if kind not in PADDING_NUMBERED:
-        return 0
-    pad = config.get("pad_token_id")
-    return (pad if isinstance(pad, int) else 1) + 1
+
+def position_offset(config: ModelConfig) -> int:
+    """Positions the transformer's embeddings never use: models that number real tokens from
+    a padding index + 1 (``bert_family.position_padding``) read position ``padding_idx + n``
+    for a row of ``n`` tokens; 0 elsewhere."""
+    from pipeline.bert_family import position_padding
+
+    padding = position_padding(config)
+    return 0 if padding is None else padding + 1
 
 
 def load_head(files: ModelFiles):

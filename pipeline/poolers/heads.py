@@ -192,14 +192,15 @@ def load_head(folder: str,
     cfg = read_head_config(folder)
     if expect is not None:
         expect(cfg)
-    weights = _read_weights(storage.join(folder, HEAD_WEIGHTS), folder, expected_shapes(cfg))
+    weights, saved = _read_weights(storage.join(folder, HEAD_WEIGHTS), folder,
+                                   expected_shapes(cfg))
+    _check_saved_config(saved, cfg, folder)
     head = PoolingHead(cfg)  # no larger than the checked file
     try:
         head.load_state_dict(load_safetensors(weights), strict=True)
     except (RuntimeError, SafetensorError) as exc:
         first = str(exc).splitlines()[0]
         raise ConfigError(f"pooling head {folder} does not match its head.json: {first}") from None
-    _check_saved_config(weights, cfg, folder)
     head.weights_sha256 = hashlib.sha256(weights).hexdigest()[:16]
     return head.eval()
 
@@ -211,13 +212,12 @@ def config_digest(cfg: HeadConfig) -> str:
     return stable_hash(cfg.identity())
 
 
-def _check_saved_config(weights: bytes, cfg: HeadConfig, folder: str) -> None:
-    """The weights carry the digest of the head.json they were saved with (``save_head``), so
-    their hash, which the set's fingerprint takes, covers head.json too: a head.json edited
-    since (another layer read, another kind) is refused. Heads saved before the digest carry
-    none and load as they did."""
-    (length,) = struct.unpack("<Q", weights[:8])
-    saved = (json.loads(weights[8:8 + length]).get("__metadata__") or {}).get(CONFIG_KEY)
+def _check_saved_config(metadata: dict, cfg: HeadConfig, folder: str) -> None:
+    """The weights carry the digest of the head.json they were saved with (``save_head``, in
+    the safetensors ``metadata``), so their hash, which the set's fingerprint takes, covers
+    head.json too: a head.json edited since (another layer read, another kind) is refused.
+    Heads saved before the digest carry none and load as they did."""
+    saved = metadata.get(CONFIG_KEY)
     if saved is not None and saved != config_digest(cfg):
         raise ConfigError(
             f"pooling head {folder}: its {HEAD_JSON} is not the one its weights were saved "
@@ -251,8 +251,10 @@ def _read_at_most(url: str, size: int) -> bytes:
     return raw
 
 
-def _read_weights(url: str, folder: str, shapes: dict[str, tuple[int, ...]]) -> bytes:
-    """The bytes of ``url`` once its size and header agree with ``shapes`` (float32)."""
+def _read_weights(url: str, folder: str, shapes: dict[str, tuple[int, ...]]
+                  ) -> tuple[bytes, dict]:
+    """The bytes of ``url`` once its size and header agree with ``shapes`` (float32), and the
+    header's metadata."""
     data = sum(4 * math.prod(shape) for shape in shapes.values())
     size = _checked_size(url, folder)
     if not 8 < size <= 8 + MAX_JSON_BYTES + data:
@@ -260,7 +262,7 @@ def _read_weights(url: str, folder: str, shapes: dict[str, tuple[int, ...]]) -> 
                           f"{data:,} bytes of float32 weights plus a header")
     raw = _read_at_most(url, size)
     (length,) = struct.unpack("<Q", raw[:8])
-    found = _header(raw, length, url)
+    found, metadata = _header(raw, length, url)
     if {k: f[:2] for k, f in found.items()} != {k: ("F32", s) for k, s in shapes.items()}:
         got = ", ".join(f"{k} {f[0]} {list(f[1])}" for k, f in sorted(found.items()))
         raise ConfigError(f"pooling head {url} does not match its head.json: it holds {got}; "
@@ -268,27 +270,30 @@ def _read_weights(url: str, folder: str, shapes: dict[str, tuple[int, ...]]) -> 
     if len(raw) != 8 + length + data or not _contiguous(list(found.values()), data):
         raise ConfigError(f"pooling head {url} is truncated or damaged: {len(raw):,} bytes, "
                           f"expected {8 + length + data:,}")
-    return raw
+    return raw, metadata
 
 
 Entry = tuple[str, tuple[int, ...], tuple[int, int]]
 
 
-def _header(raw: bytes, length: int, url: str) -> dict[str, Entry]:
-    """The safetensors header's tensors as (dtype, shape, data_offsets), each checked."""
+def _header(raw: bytes, length: int, url: str) -> tuple[dict[str, Entry], dict]:
+    """The safetensors header's tensors as (dtype, shape, data_offsets), each checked, and
+    its metadata (string to string, ``{}`` where there is none)."""
     try:
         header = json.loads(raw[8:8 + length]) if length <= MAX_JSON_BYTES else None
     except (UnicodeDecodeError, json.JSONDecodeError):
         header = None
     if not isinstance(header, dict):
         raise ConfigError(f"pooling head {url} is not a safetensors file (bad header)")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ConfigError(f"pooling head {url} is not a safetensors file (bad metadata)")
     found = {name: _entry(value) for name, value in header.items()}
     bad = sorted(name for name, entry in found.items() if entry is None)
     if bad:
         raise ConfigError(f"pooling head {url} is not a safetensors file: header entry "
                           f"{bad[0]!r} lacks a dtype, a shape of sizes or two data offsets")
-    return found
+    return found, metadata
 
 
 def _entry(value: object) -> Entry | None:

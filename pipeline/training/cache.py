@@ -17,7 +17,6 @@ import torch
 from pipeline.batching import token_budget_batches
 from pipeline.encoder import Encoder
 from pipeline.token_rows import TokenRows
-from pipeline.windows import truncate
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,7 @@ def build_cache(
     np.cumsum(sizes, out=offsets[1:])
     flat = torch.empty((int(offsets[-1]), len(layers), encoder.hidden_size), dtype=dtype)
     token_ids = TokenRows.from_lists(tokens)
-    # the content ids each row keeps, on the side the tokenizer keeps (as the embedder cuts)
-    kept = truncate(token_ids.lengths, encoder.content_length, encoder.tokenizer.truncation_side)
+    kept = encoder.kept(token_ids.lengths)  # as the embedder cuts: on the tokenizer's side
     batches = token_budget_batches(lengths, encoder.token_budget, encoder.max_batch_rows)
     for rows in batches:
         ids, mask = encoder.pad_rows(token_ids, rows, np.zeros(len(rows), np.int64),
