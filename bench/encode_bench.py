@@ -61,7 +61,7 @@ import torch  # noqa: E402
 
 import pipeline  # noqa: E402,F401  (caps oneDNN before torch runs)
 from bench.peak import matmul_peak  # noqa: E402
-from bench.speed import cpu_flags, measured_run  # noqa: E402
+from bench.speed import DOCUMENT_CHARS, cpu_flags, joined, measured_run  # noqa: E402
 from pipeline import bert_family  # noqa: E402
 from pipeline.batching import padding_efficiency, token_budget_batches  # noqa: E402
 from pipeline.config import EncoderConfig, PoolerSpec  # noqa: E402
@@ -105,8 +105,11 @@ class PeakRss:
         return self.peak / 2**20
 
 
-def load_texts(path: Path, short: int, long: int, seed: int, encoder) -> dict[str, list[str]]:
-    """A sample of summaries and, from other summaries, texts of 200-500 tokens."""
+def load_texts(path: Path, short: int, long: int, seed: int, encoder, documents: int = 0
+               ) -> dict[str, list[str]]:
+    """A sample of summaries and, from other summaries, texts of 200-500 tokens; with
+    ``documents``, also that many whole documents of 20,000-200,000 characters (summaries
+    joined, from the first again once all are used: the model reads their first tokens)."""
     texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(texts))
@@ -120,7 +123,11 @@ def load_texts(path: Path, short: int, long: int, seed: int, encoder) -> dict[st
             parts.append(text)
             count += tokens
         longs.append(" ".join(parts))
-    return {"short": sample, "long": longs}
+    sets = {"short": sample, "long": longs}
+    if documents:
+        shuffled = [texts[i] for i in rng.permutation(len(texts))]
+        sets["documents"] = joined(shuffled, rng.integers(*DOCUMENT_CHARS, documents))
+    return sets
 
 
 def _token_counts(texts: list[str], order: np.ndarray, encoder, chunk: int = 1024
@@ -286,7 +293,8 @@ def bench(args: argparse.Namespace) -> dict:
         embedder = get_embedder(EncoderConfig(model=args.model), [PoolerSpec(name="mean")])
     info = embedder.info
     config = embedder.encoder.model.config
-    texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder)
+    texts = load_texts(args.data, args.short, args.long, args.seed, embedder.encoder,
+                       args.documents)
     reference = None
     if info.dtype != "fp32":
         reference = Embedder(EncoderConfig(model=args.model, dtype="fp32"),
@@ -488,6 +496,8 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_text_args(p, short=2000, long=200)
+    p.add_argument("--documents", type=int, default=0,
+                   help="also this many whole documents of 20,000-200,000 characters")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--no-flow", action="store_true", help="skip (c), the embed flow")
     p.add_argument("--cli", action="store_true", help="also time the cold `embedpipe embed`")

@@ -13,6 +13,8 @@ and the ratios between them hold even where the machine is shared and noisy. For
 * ``--long N ...``: the same for the default model (packaged MiniLM) over long texts (PyPI
   summaries joined to 1,200-3,000 characters, ~250 tokens after truncation): the memory of
   a real encoder's forward passes over many batch shapes;
+* ``--documents N ...``: the same over whole documents of 20,000-200,000 characters (the
+  model reads their first 256 tokens): the cost of a document's tail;
 * the fp32 matmul GFLOP/s of this machine, measured in the same run, and the CPU flags.
 
 Prints one JSON object per measurement and a summary table. Never a timed test: a script.
@@ -83,26 +85,47 @@ open(sys.argv[1], "w").write(json.dumps(report))
 
 
 def long_corpus(folder: Path, rows: int, seed: int = 0) -> Path:
-    """``rows`` texts of 1,200-3,000 characters, each consecutive PyPI summaries joined (from
-    the first again once all are used; MiniLM truncates them at 256 tokens)."""
+    """``rows`` texts of 1,200-3,000 characters (MiniLM truncates them at 256 tokens)."""
+    return joined_corpus(folder / f"long_{rows}.parquet", rows, (1_200, 3_001), seed, None)
+
+
+DOCUMENT_CHARS = (20_000, 200_001)  # whole documents: the model reads their first tokens
+
+
+def documents_corpus(folder: Path, rows: int, seed: int = 0) -> Path:
+    """``rows`` whole documents of 20,000-200,000 characters."""
+    return joined_corpus(folder / f"documents_{rows}.parquet", rows, DOCUMENT_CHARS, seed, 500)
+
+
+def joined_corpus(path: Path, rows: int, chars: tuple[int, int], seed: int,
+                  row_group: int | None) -> Path:
+    """A corpus of ``rows`` texts of ``chars`` (low, high) characters (``joined``), in row
+    groups of ``row_group`` rows (None: pyarrow's default, one group up to a million)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = folder / f"long_{rows}.parquet"
     if path.exists():
         return path
-    summaries = itertools.cycle(pq.read_table(DATA, columns=["text"]).column("text").to_pylist())
-    targets = np.random.default_rng(seed).integers(1_200, 3_001, rows)
-    texts = []
-    for target in targets:
+    summaries = pq.read_table(DATA, columns=["text"]).column("text").to_pylist()
+    texts = joined(summaries, np.random.default_rng(seed).integers(*chars, rows))
+    pq.write_table(pa.table({"id": np.arange(rows), "text": texts}), path,
+                   row_group_size=row_group)
+    return path
+
+
+def joined(texts: list[str], sizes) -> list[str]:
+    """One text per size: consecutive ``texts`` joined until it is that many characters long
+    (from the first again once all are used)."""
+    pool = itertools.cycle(texts)
+    out = []
+    for target in sizes:
         parts, size = [], 0
         while size < target:
-            parts.append(next(summaries))
+            parts.append(next(pool))
             size += len(parts[-1]) + 1
-        texts.append(" ".join(parts))
-    pq.write_table(pa.table({"id": np.arange(rows), "text": texts}), path)
-    return path
+        out.append(" ".join(parts))
+    return out
 
 
 def measured_run(cmd: list[str], cwd: Path, env: dict | None = None
@@ -145,6 +168,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="*", default=[20_000, 200_000])
     parser.add_argument("--long", type=int, nargs="*", default=[],
                         help="also MiniLM over this many long texts (e.g. 1000 8000)")
+    parser.add_argument("--documents", type=int, nargs="*", default=[],
+                        help="also MiniLM over this many whole documents of 20-200 KB")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder")
     parser.add_argument("--no-startup", action="store_true", help="skip the start-up runs")
     args = parser.parse_args()
@@ -182,6 +207,7 @@ def main() -> int:
         print(json.dumps({f"startup_{label}": runs}), flush=True)
     runs = [("tiny", rows, corpus(work, rows), model) for rows in args.rows]
     runs += [("long", rows, long_corpus(work, rows), None) for rows in args.long]
+    runs += [("documents", rows, documents_corpus(work, rows), None) for rows in args.documents]
     for kind, rows, path, run_model in runs:
         for label, tree in trees.items():
             out = work / f"out-{label}-{kind}-{rows}"
@@ -194,7 +220,8 @@ def main() -> int:
 
     for label in trees:  # the local Prefect APIs the runs started
         stop_local_server(work / f"cache-{label}")
-    print(summary(report, trees, {"tiny": args.rows, "long": args.long}, flags,
+    print(summary(report, trees, {"tiny": args.rows, "long": args.long,
+                                  "documents": args.documents}, flags,
                   not args.no_startup))
     (work / "speed.json").write_text(json.dumps(report, indent=1))
     return 0

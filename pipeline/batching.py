@@ -11,6 +11,9 @@ from collections.abc import Callable
 import numpy as np
 
 SLICE_ROWS = 4096  # texts per encode call, at least, where the caller tokenizes ahead
+# characters one slice tokenizes, at most (a single text may pass it): the fast tokenizer holds
+# ~25 bytes per character it reads until its ids are copied out (200 texts of ~200 KB: +1 GB)
+SLICE_CHARS = 32 << 20
 
 
 def slice_rows(max_batch_rows: int) -> int:
@@ -18,6 +21,18 @@ def slice_rows(max_batch_rows: int) -> int:
     reader thread, ``Embedder.encode``): smaller slices overlap sooner and hold less memory,
     but a slice of under a few batches' rows leaves a GPU's batches part-empty."""
     return max(SLICE_ROWS, 4 * max_batch_rows)
+
+
+def slice_length(chars: np.ndarray, budget: int | None = None) -> int:
+    """How many of the leading texts, whose tokenizer reads ``chars`` characters each, one
+    slice takes: as many as stay within ``budget`` (``SLICE_CHARS``) characters, at least one."""
+    budget = SLICE_CHARS if budget is None else budget
+    within = np.searchsorted(np.cumsum(chars), budget, side="right")
+    return max(1, min(int(within), len(chars)))
+
+
+def text_lengths(texts: list[str]) -> np.ndarray:
+    return np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
 
 
 # A batch of real tokens alone still returns its states padded ([rows, width, hidden]: what

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.batching import slice_rows, token_budget_batches
+from pipeline import text_heads
+from pipeline.batching import slice_length, slice_rows, text_lengths, token_budget_batches
 from pipeline.config import EncoderConfig, PoolerSpec, WindowAgg, stable_hash
 from pipeline.data import EmbeddingBatch, TextBatch
 from pipeline.encoder import Encoder, EncoderInfo, Prompt
@@ -126,10 +127,19 @@ class Embedder:
         """Step 1 of ``embed`` (a reader thread may run it): each text's token ids behind the
         prompt (the document prompt unless another is given)."""
         prompt = self.encoder.document_prompt if prompt is None else prompt
-        ids = self.encoder.tokenize_rows(texts, prompt)
+        ids = self.encoder.tokenize_rows(texts, prompt, self.keeps)
         if self.cuts_prompt:
             return Tokens(ids, np.zeros(len(ids), np.int64), prompt.length)
         return Tokens(ids, self.encoder.prompt_lead(ids, prompt), prompt.length)
+
+    @property
+    def keeps(self) -> int | None:
+        """How many of a text's first ids (the prompt's with them) its one forward row can
+        keep: past those, a long text's tokens are not needed (``Encoder.tokenize_rows``);
+        None where every token is (windows, or a tokenizer that keeps a text's end)."""
+        if self.cfg.window is not None or self.encoder.cuts_left:
+            return None
+        return self.encoder.content_length
 
     @property
     def cuts_prompt(self) -> bool:
@@ -168,8 +178,12 @@ class Embedder:
         while this one encodes (on a GPU, tokenizing is as long as the forward passes)."""
         name = set_name or next(iter(self.specs))
         texts = list(texts)
-        step = self.slice_rows
-        slices = [texts[i : i + step] for i in range(0, len(texts), step)] or [[]]
+        slices, start = [], 0
+        while start < len(texts):
+            end = self.slice_end(texts, start)
+            slices.append(texts[start:end])
+            start = end
+        slices = slices or [[]]
         tokenized = (self.tokenize(part, prompt) for part in slices)
         if len(slices) > 1:
             tokenized = prefetch(tokenized, depth=1)
@@ -182,6 +196,16 @@ class Embedder:
         """Texts per ``encode_tokens`` call where the caller tokenizes ahead (see
         ``pipeline.batching.slice_rows``)."""
         return slice_rows(self.encoder.max_batch_rows)
+
+    def slice_end(self, texts: list[str], start: int) -> int:
+        """End of the slice of ``texts`` from ``start``: ``slice_rows`` texts, fewer where
+        the characters their tokenizing reads pass ``SLICE_CHARS`` (long texts)."""
+        part = texts[start : start + self.slice_rows]
+        chars = text_lengths(part)
+        keep = self.keeps
+        if keep is not None and self.encoder.word_local:  # about their heads' lengths
+            np.minimum(chars, 2 * text_heads.reach(keep), out=chars)
+        return start + slice_length(chars)
 
     def plan(self, tokens: Tokens) -> Pieces:
         """Pieces over each text's own tokens; the prompt's ``lead`` tokens take their share

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipeline import first_token_attention
+from pipeline import first_token_attention, text_heads
 from pipeline.config import EncoderConfig
 from pipeline.errors import ConfigError, ModelError
 from pipeline.first_token_attention import FirstTokenAttention
@@ -144,6 +144,7 @@ class Encoder:
         self.prefix, self.suffix = list(self.tokenizer.prefix), list(self.tokenizer.suffix)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self._ids = self.tokenizer.ids_tokenizer()
+        self.word_local = text_heads.word_local(self.tokenizer.backend)
         self.tokenizer_workers = pool_workers(self.device.type)  # 0: tokenize in this process
         self._pool = None
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
@@ -376,15 +377,31 @@ class Encoder:
         texts = _prompted(texts, prompt)
         return [e.ids for e in self._ids.encode_batch_fast(texts, add_special_tokens=False)]
 
-    def tokenize_rows(self, texts: list[str], prompt: Prompt | None = None) -> TokenRows:
-        """``tokenize`` as one flat TokenRows; many texts for a GPU encoder go to worker
-        processes (``pipeline.tokenize_pool``: the GIL stays with the thread that launches
-        the GPU's kernels)."""
+    def tokenize_rows(self, texts: list[str], prompt: Prompt | None = None,
+                      keep: int | None = None) -> TokenRows:
+        """``tokenize`` as one flat TokenRows. With ``keep``, a row may hold only its first
+        ids, more than ``keep`` of them, where the tokenizer is word-local (a long text's head
+        tokenized: ``pipeline.text_heads``); else, and for shorter texts, all of them."""
+        texts = _prompted(texts, prompt)
+        if keep is None or not self.word_local:
+            return self._token_rows(texts)
+        cut_texts, cut = text_heads.heads(texts, text_heads.reach(keep))
+        rows = self._token_rows(cut_texts)
+        short = np.flatnonzero(cut & (rows.lengths <= keep))  # the head held too few tokens
+        if len(short):
+            rows = rows.replaced(short, self._token_rows([texts[i] for i in short]))
+        return rows
+
+    def _token_rows(self, texts: list[str]) -> TokenRows:
+        """Every id of each text; many texts for a GPU encoder go to worker processes
+        (``pipeline.tokenize_pool``: the GIL stays with the thread that launches the GPU's
+        kernels)."""
         if self.tokenizer_workers and len(texts) >= MIN_TEXTS:
             if self._pool is None:
                 self._pool = TokenizerPool(self._ids.to_str(), self.tokenizer_workers)
-            return self._pool.encode(_prompted(texts, prompt))
-        return TokenRows.from_lists(self.tokenize(texts, prompt))
+            return self._pool.encode(texts)
+        return TokenRows.from_lists(
+            [e.ids for e in self._ids.encode_batch_fast(texts, add_special_tokens=False)])
 
     def tokenize_for(self, texts: list[str], queries: np.ndarray) -> list[list[int]]:
         """``tokenize`` with the query prompt where ``queries`` is True, else the document one."""

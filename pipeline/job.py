@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import faults, storage
-from pipeline.batching import SLICE_ROWS
+from pipeline.batching import SLICE_ROWS, slice_length, text_lengths
 from pipeline.config import EmbedJob
 from pipeline.corpus import Chunk, read_shard
 from pipeline.errors import FingerprintError
@@ -129,7 +129,7 @@ def _keys(ids: pa.Array, hashes: np.ndarray) -> pl.DataFrame:
 
 @dataclass
 class _Slice:
-    """Up to ``_Model.slice_rows`` valid rows of a chunk, with what each set reuses and what
+    """The next ``_Model.slice_end`` valid rows of a chunk, with what each set reuses and what
     to encode."""
 
     ids: pa.Array
@@ -301,13 +301,15 @@ class _Model:
                 self._embedder = embedder
             return self._embedder
 
-    @property
-    def slice_rows(self) -> int:
-        """Rows per slice: ``SLICE_ROWS`` until a slice needed the model, then the embedder's
-        own (a GPU's batches hold more rows; deciding sooner would import torch for shards
-        whose rows all reuse stored vectors)."""
+    def slice_end(self, texts: list[str], start: int) -> int:
+        """End of the next slice of ``texts`` from ``start``: ``SLICE_ROWS`` texts at most
+        until a slice needed the model, then ``Embedder.slice_end`` (a GPU's batches hold more
+        rows; deciding sooner would import torch for shards whose rows all reuse stored
+        vectors); fewer where their characters pass ``SLICE_CHARS``."""
         embedder = self._embedder
-        return SLICE_ROWS if embedder is None else embedder.slice_rows
+        if embedder is not None:
+            return embedder.slice_end(texts, start)
+        return start + slice_length(text_lengths(texts[start : start + SLICE_ROWS]))
 
 
 def _check_fingerprints(embedder: Embedder, sets: list[SetWork]) -> None:
@@ -350,9 +352,9 @@ def _read_slices(request: ShardRequest, model: _Model, previous: dict[str, _Prev
         start = 0
         while start < len(chunk.ids):
             tick = time.perf_counter()
-            step = model.slice_rows
-            ids = chunk.ids.slice(start, step)
-            hashes = chunk.hashes[start : start + step]
+            end = model.slice_end(chunk.texts, start)
+            ids = chunk.ids.slice(start, end - start)
+            hashes = chunk.hashes[start:end]
             found = {name: prev.lookup(ids, hashes) for name, prev in previous.items()}
             need = np.flatnonzero(np.logical_or.reduce([f < 0 for f in found.values()]))
             source, encode = seen.assign(hashes[need])
@@ -365,7 +367,7 @@ def _read_slices(request: ShardRequest, model: _Model, previous: dict[str, _Prev
                 tokens = model.embedder.tokenize(texts)
                 stats.add_seconds("tokenize", time.perf_counter() - tick)
             yield _Slice(ids, hashes, found, need, unique, source, tokens)
-            start += step
+            start = end
 
 
 def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _Previous

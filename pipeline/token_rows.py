@@ -37,6 +37,29 @@ class TokenRows:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def replaced(self, rows: np.ndarray, other: TokenRows) -> TokenRows:
+        """These rows with row ``rows[i]`` replaced by ``other``'s row ``i``."""
+        lengths = self.lengths
+        lengths[rows] = other.lengths
+        offsets = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        kept = np.ones(len(self), bool)
+        kept[rows] = False
+        kept = np.flatnonzero(kept)
+        values = np.empty(int(offsets[-1]), dtype=np.int64)
+        values[_spans(offsets, kept)] = self.values[_spans(self.offsets, kept)]
+        values[_spans(offsets, rows)] = other.values
+        return TokenRows(values, offsets)
+
+
+def _spans(offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Positions in ``values`` of rows ``rows`` (in that order), one flat array."""
+    starts, ends = offsets[rows], offsets[rows + 1]
+    lengths = ends - starts
+    before = np.cumsum(lengths) - lengths  # of the flat output, ahead of each row
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(before, lengths)
+    return np.repeat(starts, lengths) + within
+
 
 def pad_rows(tokens: TokenRows, rows: np.ndarray, lead: np.ndarray, start: np.ndarray,
              end: np.ndarray, prefix: Sequence[int], suffix: Sequence[int], pad_id: int
