@@ -154,16 +154,23 @@ class Embedder:
             empty = {n: np.zeros((0, d), np.float32) for n, d in self.dims().items()}
             return EmbeddingBatch([], empty)
         rows = len(tokens.ids)
-        lengths = tokens.ids.lengths - tokens.lead  # the text's own tokens, after the prompt's
         pieces = self.plan(tokens)
         stats = ShardStats(
             tokens=int(pieces.lengths.sum()),
             windows=len(pieces),
-            truncated=0 if self.cfg.window else int((lengths > pieces.lengths).sum()),
+            truncated=int(self.truncated(tokens, pieces).sum()),
         )
         raw = on_torch_thread(self._forward_pieces, tokens, pieces, stats)
         vectors = {name: self._finish(name, raw[name], pieces, rows) for name in raw}
         return EmbeddingBatch(list(ids), vectors, stats)
+
+    def truncated(self, tokens: Tokens, pieces: Pieces | None = None) -> np.ndarray:
+        """Which texts lose tokens to max_length (``pieces``: their ``plan``); none where
+        windows cover every token."""
+        if self.cfg.window is not None:
+            return np.zeros(len(tokens.ids), bool)
+        pieces = self.plan(tokens) if pieces is None else pieces
+        return tokens.ids.lengths - tokens.lead > pieces.lengths  # one piece per text, in order
 
     def encode(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
         """Document vectors of ``texts`` for one set (the only set when ``set_name`` is None)."""

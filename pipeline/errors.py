@@ -23,3 +23,7 @@ class StorageError(EmbedpipeError):
 
 class FingerprintError(EmbedpipeError):
     """Stored output made with another model or pooler than the one asked for."""
+
+
+class TokenLimitError(EmbedpipeError):
+    """A text longer than the model's rows where the caller asked not to truncate."""

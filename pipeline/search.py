@@ -19,8 +19,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec, parse
-from pipeline.data import TextBatch
-from pipeline.errors import FingerprintError, StorageError
+from pipeline.errors import FingerprintError, StorageError, TokenLimitError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
 from pipeline.models.hashing import int8_kernel_of
 from pipeline.ranking import check_k
@@ -153,10 +152,18 @@ class Searcher:
         return Searcher(self.out, self.name, self.device, self.corpus, self.trust_remote_code,
                         self.with_snippets, previous=self)
 
-    def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
-        """The set's own vectors for ``texts`` (as `embed` wrote them) and the tokens read."""
+    def embed(self, texts: list[str], truncate: bool = True) -> tuple[np.ndarray, int]:
+        """The set's own vectors for ``texts`` (as `embed` wrote them) and the tokens read;
+        ``truncate`` False refuses a text longer than the model's rows (TEI's ``truncate``)."""
         with self.queries.lock:
-            batch = self.embedder.embed(TextBatch(list(range(len(texts))), list(texts)))
+            tokens = self.embedder.tokenize(list(texts))
+            long = np.flatnonzero(self.embedder.truncated(tokens))
+            if not truncate and len(long):
+                raise TokenLimitError(
+                    f"input {int(long[0])} is longer than {self.embedder.encoder.max_length} "
+                    f"tokens, the most set {self.name!r} reads, and truncate is false"
+                )
+            batch = self.embedder.encode_tokens(list(range(len(texts))), tokens)
         return batch.vectors[self.set.pooler.get("name")], batch.stats.tokens
 
     def encode(self, queries: list[str]) -> np.ndarray:

@@ -123,12 +123,32 @@ def test_huggingface_inference_client_gets_the_default_sets_vectors(served, monk
     ("/v1/embeddings", {"input": "x" * 10_001}, 422, "input 0 is longer than 10000"),
     ("/embed", {"inputs": "x", "prompt_name": "query"}, 422, "prompt_name is not supported"),
     ("/embed", {"inputs": "  "}, 422, "empty or whitespace"),
+    ("/embed", {"inputs": ["x", "word " * 300], "truncate": False}, 413,
+     "input 1 is longer than 128 tokens, the most set 'mean' reads, and truncate is false"),
 ])
 def test_embedding_requests_out_of_bounds_get_4xx_with_a_reason(served, path, body, status,
                                                                 reason):
     base, _, _ = served
     r = httpx.post(f"{base}{path}", json=body, headers=auth())
     assert r.status_code == status and reason in str(r.json()["detail"]), r.text
+
+
+def test_tei_truncate_false_embeds_texts_that_fit_and_true_truncates(served):
+    """TEI's ``truncate``: false answers 413 for a text over the model's rows (above) and
+    embeds the others; true, or left out, embeds a long text's first tokens."""
+    base, _, _ = served
+    long = "word " * 300
+
+    def tei(body: dict) -> np.ndarray:
+        r = httpx.post(f"{base}/embed", json=body, headers=auth())
+        assert r.status_code == 200, r.text
+        return np.asarray(r.json())
+
+    fits = tei({"inputs": TEXTS[:2], "truncate": False})
+    np.testing.assert_allclose(fits, tei({"inputs": TEXTS[:2]}), atol=1e-6)
+    cut = tei({"inputs": [long], "truncate": True})
+    np.testing.assert_allclose(cut, tei({"inputs": [long]}), atol=1e-6)
+    np.testing.assert_allclose(cut, tei({"inputs": [long + "more words " * 50]}), atol=1e-6)
 
 
 def _samples(text: str, name: str) -> dict[tuple, float]:

@@ -25,7 +25,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from pipeline.errors import EmbedpipeError
+from pipeline.errors import EmbedpipeError, TokenLimitError
 from pipeline.live import LiveSets
 from pipeline.search import Searcher
 from pipeline.server.config import ServerConfig, choose_default
@@ -155,7 +155,7 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EmbedpipeError)
     async def embedpipe_error(_: Request, exc: EmbedpipeError) -> JSONResponse:
-        return problem(400, str(exc))
+        return problem(413 if isinstance(exc, TokenLimitError) else 400, str(exc))
 
     @app.exception_handler(json.JSONDecodeError)
     async def bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
@@ -202,7 +202,7 @@ def _routes(app: FastAPI, config: ServerConfig, live: LiveSets, gate: Gate, defa
     async def embeddings(req: EmbeddingsRequest) -> JSONResponse:
         texts = _check_inputs(as_list(req.input), config)
         s = _check_dimensions(searcher(req.model), req.dimensions)
-        vectors, tokens = await gate.run(_embed, s, texts, req.dimensions, False)
+        vectors, tokens = await gate.run(_embed, s, texts, req.dimensions, False, True)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
                 for i, v in enumerate(vectors)]
         return JSONResponse({"object": "list", "data": data, "model": s.name,
@@ -211,7 +211,8 @@ def _routes(app: FastAPI, config: ServerConfig, live: LiveSets, gate: Gate, defa
     async def tei_embed(req: TeiEmbedRequest) -> JSONResponse:
         texts = _check_inputs(as_list(req.inputs), config)
         s = _check_dimensions(searcher(None), req.dimensions)
-        vectors, _ = await gate.run(_embed, s, texts, req.dimensions, req.normalize)
+        vectors, _ = await gate.run(_embed, s, texts, req.dimensions, req.normalize,
+                                    req.truncate is not False)
         return JSONResponse(vectors.tolist())
 
     app.post("/embed", response_model=list[list[float]],
@@ -219,11 +220,12 @@ def _routes(app: FastAPI, config: ServerConfig, live: LiveSets, gate: Gate, defa
     app.post("/", include_in_schema=False)(tei_embed)
 
 
-def _embed(s: Searcher, texts: list[str], dimensions: int | None,
-           normalize: bool) -> tuple[np.ndarray, int]:
+def _embed(s: Searcher, texts: list[str], dimensions: int | None, normalize: bool,
+           truncate: bool) -> tuple[np.ndarray, int]:
     """The set's vectors for ``texts``; ``dimensions`` keeps the first N (re-normalised if the
-    set's vectors are), ``normalize`` scales every vector to unit length."""
-    vectors, tokens = s.embed(texts)
+    set's vectors are), ``normalize`` scales every vector to unit length, ``truncate`` False
+    refuses a text longer than the model reads (413, as TEI answers)."""
+    vectors, tokens = s.embed(texts, truncate)
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
     if normalize or (dimensions is not None and s.set.normalize):

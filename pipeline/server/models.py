@@ -113,7 +113,8 @@ class EmbeddingsResponse(BaseModel):
 
 
 class TeiEmbedRequest(BaseModel):
-    """TEI's ``POST /embed``. The set's own pipeline decides long-text handling and prompts."""
+    """TEI's ``POST /embed``. The set's own pipeline decides long-text handling and prompts;
+    ``truncate`` false refuses a text longer than the model reads (413), as TEI does."""
 
     model_config = ConfigDict(extra="forbid")
 
