@@ -368,7 +368,13 @@ _out_locks: dict[str, threading.Lock] = {}  # one per OUT: taking or freeing its
 
 
 def _key(out: str) -> str:
-    return out.rstrip("/")
+    """One key per OUT however it is spelled: ``s3a://`` as ``s3://``, a local folder as its
+    real absolute path (``file://``, ``./`` and links resolved), no trailing slash."""
+    if storage.is_s3(out):
+        return "s3://" + out.split("://", 1)[1].strip("/")
+    if storage.is_remote(out):
+        return out.rstrip("/")
+    return os.path.realpath(out.removeprefix("file://"))
 
 
 def _out_lock(key: str) -> threading.Lock:

@@ -90,6 +90,25 @@ def test_the_lease_is_renewed_while_held_and_reentrant(out):
     assert holder(out)["released"] is True
 
 
+def test_one_out_spelled_otherwise_is_the_same_lease(out, tmp_path, monkeypatch):
+    """``s3a://`` for ``s3://``; a local folder as ``file://``, relative or through a link;
+    a trailing slash: one OUT, so the same process re-enters its lease."""
+    if out.startswith("s3://"):
+        spellings = [out.replace("s3://", "s3a://", 1), out + "/"]
+    else:
+        link = tmp_path / "link"
+        Path(out).mkdir()
+        link.symlink_to(out)
+        monkeypatch.chdir(tmp_path)
+        spellings = [f"file://{out}/", "out", "./out/", str(link)]
+    with writer_lease(out, "embed") as outer:
+        for spelled in spellings:
+            with writer_lease(spelled, "index") as inner:
+                assert inner is outer, spelled
+        assert holder(out)["released"] is False
+    assert holder(out)["released"] is True
+
+
 def test_waiting_for_one_outs_lease_holds_up_no_other_out(tmp_path):
     busy, free = str(tmp_path / "busy"), str(tmp_path / "free")
     other = WriterLease(busy, "another writer")
