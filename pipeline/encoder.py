@@ -404,13 +404,16 @@ class Encoder:
             [e.ids for e in self._ids.encode_batch_fast(texts, add_special_tokens=False)])
 
     def tokenize_for(self, texts: list[str], queries: np.ndarray) -> list[list[int]]:
-        """``tokenize`` with the query prompt where ``queries`` is True, else the document one."""
+        """Each text's ids behind the query prompt where ``queries`` is True, else the document
+        one; a long text's first ``content_length`` and more (``tokenize_rows``' ``keep``),
+        all of them where the tokenizer keeps a text's end."""
+        keep = None if self.cuts_left else self.content_length
         out: list[list[int]] = [[] for _ in texts]
         for prompt, rows in ((self.query_prompt, np.flatnonzero(queries)),
                              (self.document_prompt, np.flatnonzero(~queries))):
-            for row, ids in zip(rows, self.tokenize([texts[i] for i in rows], prompt),
-                                strict=True):
-                out[row] = ids
+            tokens = self.tokenize_rows([texts[i] for i in rows], prompt, keep)
+            for k, row in enumerate(rows.tolist()):
+                out[row] = tokens.values[tokens.offsets[k] : tokens.offsets[k + 1]].tolist()
         return out
 
     @staticmethod

@@ -240,3 +240,19 @@ def test_windows_over_long_texts_tokenize_slices_of_bounded_characters(
     assert one.keys() == sliced.keys() == set(range(30))
     for key in one:
         np.testing.assert_allclose(sliced[key], one[key], atol=1e-6)
+
+
+def test_training_pairs_tokenize_heads_too(tiny_model_dir: Path) -> None:
+    """The train-pooler cache's ids (``tokenize_for``): a long document's head, its first
+    ``content_length`` ids the whole text's; queries and short texts whole."""
+    encoder = ours_for(tiny_model_dir, PoolerSpec(name="mean")).encoder
+    texts = [" ".join(CORPUS[:60]), CORPUS[0], " ".join(CORPUS[60:120])]
+    queries = np.array([False, True, True])
+    got = encoder.tokenize_for(texts, queries)
+    keep = encoder.content_length
+    for text, ids, query in zip(texts, got, queries, strict=True):
+        prompt = encoder.query_prompt if query else encoder.document_prompt
+        whole = encoder.tokenize([text], prompt)[0]
+        assert ids[: keep + 1] == whole[: keep + 1]
+        assert len(ids) == len(whole) or keep < len(ids) < len(whole)
+    assert len(got[0]) < len(encoder.tokenize([texts[0]])[0])
