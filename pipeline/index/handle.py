@@ -149,6 +149,17 @@ class IndexHandle:
             ef_search = min(wanted * widen, max(wanted, int(self.index.ntotal)))
         return nprobe, ef_search
 
+    def settings_for(self, k: int) -> dict[str, int]:
+        """The tuned parameters as a search for ``k`` rows runs them (``effective``: an nprobe
+        too small for the probed lists to hold k rows runs raised)."""
+        nprobe, ef_search = self.effective(self._fetch(k))
+        ran = {"nprobe": nprobe, "efSearch": ef_search}
+        return {name: ran[name] for name in self.params}
+
+    def _fetch(self, k: int) -> int:
+        """Rows to ask FAISS for, first, for k live ones: masked rows may take places."""
+        return max(min(int(self.index.ntotal), k + self.masked), 1)
+
     def _search(self, vectors: np.ndarray, fetch: int,
                 widen: int) -> tuple[np.ndarray, np.ndarray]:
         params = search_parameters(self.index, *self.effective(fetch, widen))
@@ -162,7 +173,7 @@ class IndexHandle:
         n = len(vectors)
         total = int(self.index.ntotal)
         want = min(k, len(self.idmap))
-        fetch = max(min(total, k + self.masked), 1)
+        fetch = self._fetch(k)
         scores = np.full((n, k), np.nan, np.float32)
         labels = np.full((n, k), -1, np.int64)
         if n == 0 or want == 0:

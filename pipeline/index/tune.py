@@ -28,10 +28,19 @@ def candidates(handle: IndexHandle) -> list[dict[str, int]]:
 
 def tune(handle: IndexHandle, queries: np.ndarray, truth: np.ndarray, target: float,
          k: int = 10, log: Callable[[str], None] | None = None) -> tuple[dict, float, list]:
-    """Try settings in order and keep the first reaching ``target`` (else the best seen)."""
-    tried = []
+    """Try settings in order and keep the first reaching ``target`` (else the best seen).
+
+    Each setting is tried and recorded as a search for ``k`` rows runs it
+    (``IndexHandle.settings_for``): an IVF whose smallest lists hold fewer than k rows runs a
+    small nprobe raised, so the settings below that run alike and count once.
+    """
+    tried: list[dict] = []
     best: tuple[float, dict] | None = None
-    for params in candidates(handle):
+    for wanted in candidates(handle):
+        handle.tune(wanted)
+        params = handle.settings_for(k)
+        if tried and all(tried[-1].get(name) == value for name, value in params.items()):
+            continue  # runs as the setting just tried
         handle.tune(params)
         _, found = handle.search_labels(queries, k)
         recall = recall_of_labels(found, truth, k)
