@@ -81,6 +81,22 @@ def test_any_faiss_factory_string(tmp_path):
         build(tmp_path, kind="NotAnIndex", rebuild=True)
 
 
+@pytest.mark.parametrize(("factory", "says"), [
+    ("IVF4096,Flat", "index 'IVF4096,Flat' has 4,096 lists: training needs at least as many "
+                     "rows (39 per list for good ones), it has 3,000 of the set's 3,000; use "
+                     "fewer lists or --kind auto"),
+    ("PQ4x12", "FAISS cannot train index 'PQ4x12' on 3,000 rows: Number of training points "
+               "(3000) should be at least as large as number of clusters (4096)"),
+])
+def test_a_factory_its_rows_cannot_train_is_one_line(tmp_path, factory, says):
+    """It was FAISS's traceback (after its warnings)."""
+    x = clustered(3000, 16, seed=7)
+    write_set(tmp_path, "s", [f"d{i}" for i in range(len(x))], x)
+    with pytest.raises(ConfigError) as raised:
+        build(tmp_path, kind=factory)
+    assert str(raised.value) == says
+
+
 def test_auto_picks_the_kind_by_size_and_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_module, "FLAT_MAX_ROWS", 1_000)
     monkeypatch.setattr(plan_module, "HNSW_MAX_ROWS", 3_000)

@@ -173,7 +173,7 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     if not index.is_trained:
         _, train = data.gather(train_pos)
         say(f"index {info.name}: training on {len(train):,} rows")
-        index.train(train)
+        _train(index, train, plan.factory, rows)
         del train
     idmap = IdMap.empty(_id_type(data.parts))
     exact = ExactTopK(queries, 10, info.metric)
@@ -203,6 +203,25 @@ def _new_index(plan: IndexPlan, dim: int) -> faiss.Index:
     if plan.kind == "hnsw":
         index.hnsw.efConstruction = 80
     return with_ids(index)
+
+
+def _train(index: faiss.Index, train: np.ndarray, factory: str, rows: int) -> None:
+    """Train ``index`` on ``train`` (sampled from a set of ``rows``); too few rows for its
+    lists, or what else FAISS refuses, in one line."""
+    ivf = ivf_of(index)
+    if ivf is not None and len(train) < ivf.nlist:
+        raise ConfigError(
+            f"index {factory!r} has {ivf.nlist:,} lists: training needs at least as many rows "
+            f"(39 per list for good ones), it has {len(train):,} of the set's {rows:,}; use "
+            "fewer lists or --kind auto"
+        )
+    try:
+        index.train(train)
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        reason = reason.split("failed: ", 1)[-1]
+        raise ConfigError(f"FAISS cannot train index {factory!r} on {len(train):,} rows: "
+                          f"{reason}") from None
 
 
 def _sample_positions(rng: np.random.Generator, rows: int, queries: int,
