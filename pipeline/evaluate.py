@@ -101,9 +101,8 @@ def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
     search = "exact" if use_exact else "index"
     scores = SetScores(set=name, queries=len(queries), k=k, search=search,
                        scores=ranking.mean_scores(per_query, k))
-    rows = ranks.rename({"doc": "doc_id"}).with_columns(
-        set=pl.lit(name), search=pl.lit(search), k=pl.lit(k, pl.Int32),
-        doc_id=pl.col("doc_id").cast(pl.String))
+    rows = ranks.rename({"doc": "doc_id"}).with_columns(  # doc_id typed as the set's ids
+        set=pl.lit(name), search=pl.lit(search), k=pl.lit(k, pl.Int32))
     return scores, rows.select("set", "search", "k", "query", "doc_id", "rank")
 
 
@@ -178,8 +177,9 @@ def _as_type(ids: pa.Array, id_type: pa.DataType) -> pa.Array:
 
 
 def write_ranks(frames: list[pl.DataFrame], url: str) -> None:
-    """Every set's per-query ranks as one Parquet file (rank null: not in the top k)."""
-    storage.write_parquet(url, pl.concat(frames).to_arrow())
+    """Every set's per-query ranks as one Parquet file (rank null: not in the top k); doc_id
+    of the sets' id type (text where sets of different id types are written together)."""
+    storage.write_parquet(url, pl.concat(frames, how="vertical_relaxed").to_arrow())
 
 
 def table(results: list[SetScores]) -> str:

@@ -161,6 +161,9 @@ def test_python_api_end_to_end(tmp_path, tiny_model_dir, prefect_api):
     assert frame.columns == ["set", "search", "k", "query", "doc_id", "rank"]
     assert frame.filter(pl.col("set") == "mean")["rank"].to_list() == [1] * 5
     assert frame.height == 10
+    # doc_id as the corpus's ids, so the ranks join back to it (it was text)
+    assert frame.schema["doc_id"] == pl.read_parquet(corpus).schema["id"]
+    assert frame.join(pl.read_parquet(corpus), left_on="doc_id", right_on="id").height == 10
 
 
 def test_the_api_runs_under_this_installations_settings_file(tmp_path, tiny_model_dir,
