@@ -4,7 +4,8 @@
 need it. A second writer fails at once with one line naming the holder (host, pid, command,
 since when), or, when asked, waits for it. A holder that dies stops renewing, and its lease
 expires ``ttl`` seconds after its last renewal (``EMBEDPIPE_LEASE_TTL``, default 60); the next
-writer takes it over. Because every shard is marked done only after its parts, the taker
+writer takes it over, at once where it runs on the holder's machine and sees its process gone
+(``Holder.ended_here``). Because every shard is marked done only after its parts, the taker
 redoes only the shards that the dead holder did not finish.
 
 Every change of the lease is a compare-and-swap on the version the changer last read, so two
@@ -69,9 +70,20 @@ class Holder(BaseModel):
     ttl: float
     renewals: int = 0  # makes every write unique (an S3 ETag is the MD5 of the content)
     released: bool = False
+    process: str = ""  # ``process_identity`` of the holder ("": not known)
 
     def free(self, now: float) -> bool:
-        return self.released or now > self.renewed + self.ttl
+        """Released, expired, or held by a process of this machine that has ended."""
+        return self.released or now > self.renewed + self.ttl or self.ended_here()
+
+    def ended_here(self) -> bool:
+        """The holder ran on this machine (same boot, same pid namespace) and its process is
+        gone: its pid is free or now another process's. A holder elsewhere, or one that left
+        no identity, only expires."""
+        machine, _, _ = self.process.rpartition("/")
+        if not machine or machine != _machine():
+            return False
+        return process_identity(self.pid) != self.process
 
     def describe(self, now: float) -> str:
         since = datetime.fromtimestamp(self.since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -82,6 +94,29 @@ class Holder(BaseModel):
 
     def encode(self) -> bytes:
         return self.model_dump_json(indent=2).encode()
+
+
+def _machine() -> str:
+    """This boot of this machine and this pid namespace (containers on one host have their
+    own): where a pid names one process; "" where /proc cannot tell."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def process_identity(pid: int) -> str:
+    """``<machine>/<pid>:<start time>`` of a live process of this machine: a pid reused by a
+    later process gets another; "" where the process is gone or /proc cannot tell."""
+    machine = _machine()
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+    except OSError:
+        return ""
+    return f"{machine}/{pid}:{fields[19]}" if machine and len(fields) > 19 else ""
 
 
 def _plain(text: str, limit: int) -> str:
@@ -263,7 +298,7 @@ class WriterLease:
         now = time.time()
         self._me = Holder(token=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(),
                           command=self.command, argv=_command_line(), since=now, renewed=now,
-                          ttl=self.ttl)
+                          ttl=self.ttl, process=process_identity(os.getpid()))
 
     @property
     def url(self) -> str:

@@ -18,7 +18,15 @@ import pytest
 
 from pipeline import storage
 from pipeline.errors import ConfigError, StorageError
-from pipeline.lease import LEASE_FILE, LeaseHeld, WriterLease, lease_ttl, writer_lease
+from pipeline.lease import (
+    LEASE_FILE,
+    Holder,
+    LeaseHeld,
+    WriterLease,
+    lease_ttl,
+    process_identity,
+    writer_lease,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TTL = 2.0
@@ -160,24 +168,55 @@ def test_writers_in_many_processes_never_overlap(out, tmp_path):
         assert end <= start, f"two writers held the lease at once: {holds}"
 
 
-def test_a_dead_holder_expires_and_is_taken_over(out):
+def killed_holder(out: str) -> int:
+    """A process that takes the lease and dies holding it (a crash: nothing is released)."""
     proc = child(f"""
         import signal
         lease = WriterLease({out!r}, "embed")
         lease.acquire()
         print(os.getpid(), flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing is released
+        os.kill(os.getpid(), signal.SIGKILL)
     """)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    dead = int(stdout.split()[0])
-    with pytest.raises(LeaseHeld, match=f"pid {dead} on"):
+    return int(stdout.split()[0])
+
+
+def test_a_dead_holder_elsewhere_expires_and_is_taken_over(out):
+    """A holder on another machine (or one that recorded no process) only expires."""
+    dead = killed_holder(out)
+    record = holder(out) | {"host": "elsewhere", "process": "other-boot/1/42:7"}
+    storage.write_bytes(storage.join(out, LEASE_FILE), json.dumps(record).encode())
+    with pytest.raises(LeaseHeld, match=f"pid {dead} on elsewhere"):
         WriterLease(out, "embed").acquire()  # not yet expired
     started = time.monotonic()
     with writer_lease(out, "embed", wait=TTL * 10):
         took = holder(out)
     assert took["pid"] == os.getpid() and took["released"] is False
     assert time.monotonic() - started <= TTL * 10
+
+
+def test_a_killed_holder_on_this_machine_is_taken_over_at_once(out, monkeypatch):
+    """Its process is gone: a rerun right after a kill -9 need not wait out the TTL."""
+    monkeypatch.setenv("EMBEDPIPE_LEASE_TTL", "600")
+    dead = killed_holder(out)
+    assert holder(out)["pid"] == dead and holder(out)["released"] is False
+    with writer_lease(out, "embed"):  # no wait
+        assert holder(out)["pid"] == os.getpid()
+
+
+def test_a_pid_of_this_machine_counts_as_its_holder_only_while_the_same_process_runs():
+    """A holder's pid later reused by another process is no longer the holder."""
+    me = process_identity(os.getpid())
+    assert me and process_identity(2**22 + 12345) == ""
+    now = time.time()
+    alive = Holder(token="t", host="h", pid=os.getpid(), command="embed", since=now,
+                   renewed=now, ttl=600, process=me)
+    assert not alive.free(now)
+    reused = alive.model_copy(update={"process": me.rpartition(":")[0] + ":1"})
+    elsewhere = alive.model_copy(update={"process": "other-boot/1/" + me.rpartition("/")[2]})
+    assert reused.free(now) and not elsewhere.free(now)
+    assert not alive.model_copy(update={"process": ""}).free(now)
 
 
 def test_a_holder_paused_past_its_ttl_finds_its_lease_lost(out):
