@@ -143,9 +143,12 @@ def read_set(out: str, name: str) -> pl.LazyFrame:
 def _installation() -> None:
     """This installation's settings (``EMBEDPIPE_*``, ``EMBEDPIPE_CONFIG``) exported as the
     command line exports them: the lease's TTL, the S3 endpoint and the cache dir that other
-    modules read from the environment."""
+    modules read from the environment; and OpenMP's brief spinning, as the CLI sets it
+    (``pipeline.torch_thread.spin_briefly``: before torch loads, if it has not)."""
     from pipeline.settings import load_settings
+    from pipeline.torch_thread import spin_briefly
 
+    spin_briefly()
     load_settings().export_env()
 
 

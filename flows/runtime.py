@@ -32,13 +32,13 @@ from pathlib import Path
 
 from pipeline.errors import ConfigError, EmbedpipeError
 from pipeline.settings import cache_root
+from pipeline.torch_thread import spin_briefly
 
 MODE_ENV = "EMBEDPIPE_PREFECT_SERVER"  # "local" (the CLI's default) or "ephemeral"
 IDLE_S = 1800  # the server exits after this long without a run
 IDLE_ENV = "EMBEDPIPE_PREFECT_IDLE_S"
 START_TIMEOUT_S = 180  # a hang guard: a busy machine migrates the database slowly
 RECORD = "prefect-server.json"
-OMP_SPINS = 10_000  # libgomp's spin count between kernels, for the CLI's processes
 FLOW_COMMANDS = ("embed", "backfill", "index", "demo")  # CLI commands that run Prefect flows
 
 
@@ -47,18 +47,10 @@ class PrefectServerError(EmbedpipeError):
 
 
 def prepare(command: str) -> None:
-    """Everything the CLI sets up once before running ``command``.
-
-    torch's OpenMP threads (libgomp) spin between kernels before they sleep: by default for
-    ~300,000 iterations (milliseconds), which made small kernels many times slower when another
-    process shared the cores; never spinning (``OMP_WAIT_POLICY=PASSIVE``) made MiniLM's
-    forward 10-30% slower, since each of its hundreds of short kernels per batch then waits for
-    a woken thread. 10,000 spins (~0.1 ms) kept the speed of spinning (see
-    ``pipeline.torch_thread``). Set before torch loads OpenMP; a user's own
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins.
-    """
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", str(OMP_SPINS))
+    """Everything the CLI sets up once before running ``command``: OpenMP's brief spinning
+    (``pipeline.torch_thread.spin_briefly``, before torch loads) and, for commands that run
+    flows, the reused local Prefect server."""
+    spin_briefly()
     if command in FLOW_COMMANDS:
         os.environ.setdefault(MODE_ENV, "local")  # started by use_local_server, when needed
 

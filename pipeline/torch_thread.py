@@ -23,6 +23,22 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 NAME = "embedpipe-torch"
+OMP_SPINS = 10_000  # libgomp's spin count between kernels: ~0.1 ms
+
+
+def spin_briefly() -> None:
+    """Let torch's OpenMP threads (libgomp) spin ``OMP_SPINS`` times between kernels before
+    they sleep. By default they spin ~300,000 times (milliseconds), which made small kernels
+    many times slower when another process shared the cores (a 32-wide Linear 0.9 ms alone,
+    22.7 ms beside a second spinning process; the Python API 10-25x slower than the CLI on a
+    shared 2-core machine); never spinning (``OMP_WAIT_POLICY=PASSIVE``) made MiniLM's forward
+    10-30% slower, as each of its hundreds of short kernels per batch then waits for a woken
+    thread. libgomp reads this when torch loads it: the CLI and every API call set it first
+    (a process that imported torch before keeps what it had). A user's own
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(OMP_SPINS))
+
 
 _lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started it, its one thread)

@@ -265,3 +265,19 @@ def test_query_url_asks_a_running_server(tmp_path, tiny_model_dir):
     assert done.returncode == 1
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"embedpipe query: error: cannot reach {base}/search")
+
+
+@pytest.mark.parametrize(("user", "spins"), [({}, "10000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
+                                              ({"OMP_WAIT_POLICY": "PASSIVE"}, None)])
+def test_api_calls_let_openmp_spin_briefly_as_the_cli_does(tmp_path, user, spins):
+    """A Python caller got libgomp's default spinning, 10-25x slower than the CLI on a shared
+    2-core machine: every API call now sets GOMP_SPINCOUNT before torch loads (a user's own
+    setting wins)."""
+    code = ("import os, sys, embedpipe\n"
+            "try:\n    embedpipe.search(sys.argv[1], 'q')\n"
+            "except embedpipe.EmbedpipeError:\n    pass\n"
+            "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nothing")], env=env | user,
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == [str(spins), "False"]
