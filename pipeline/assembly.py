@@ -29,6 +29,7 @@ already in OUT (``keep_sets_current``), or makes the model's default set in an O
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -68,12 +69,23 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
             raise ConfigError(f"{given} without a window size: give --window N (or the "
                               "config's window.size); a backfill takes its sets' windows whole "
                               "when none of --window, --stride, --window-agg is given")
-    job = {**file, "corpus": str(corpus), "out": str(out), "encoder": encoder}
+    if isinstance(encoder.get("model"), str):
+        encoder["model"] = _absolute(encoder["model"], folder_only=True)
+    job = {**file, "corpus": _absolute(str(corpus)), "out": str(out), "encoder": encoder}
     job |= {k: chosen[k] for k in JOB_OPTIONS if k in chosen}
     names = list(poolers or []) or list(defined)
     if names:  # none: EmbedJob picks the model's default set (`model` or `mean`)
         job["poolers"] = [defined.get(n, {"name": n}) for n in names]
     return parse(EmbedJob, job, f"embedding job{' (' + config + ')' if config else ''}")
+
+
+def _absolute(path: str, folder_only: bool = False) -> str:
+    """A local path as an absolute one (``_SET.json`` records the corpus and model it names,
+    and later runs, ``query`` and ``serve`` read them from other folders); URLs as given, and
+    with ``folder_only`` anything but an existing folder (a Hugging Face model name)."""
+    if "://" in path or (folder_only and not os.path.isdir(path)):
+        return path
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def job_params(job: EmbedJob) -> dict:

@@ -131,3 +131,22 @@ def test_window_options_without_a_size_are_one_line(tmp_path: Path, given: dict)
     sized = build_job(str(tmp_path / "c.parquet"), str(tmp_path / "out"),
                       **({"window": 16, "stride": 8} | given))
     assert sized.encoder.window.size == 16 and sized.encoder.window.agg == given["window_agg"]
+
+
+def test_a_job_records_local_corpus_and_model_paths_absolute(tmp_path: Path, tiny_model_dir: Path,
+                                                             monkeypatch) -> None:
+    """``_SET.json`` keeps the corpus and model a job names, and the nightly run, ``query`` and
+    ``serve`` read them from other folders: relative ones broke there. URLs and Hugging Face
+    names stay as given."""
+    from pipeline.assembly import build_job
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(tiny_model_dir)
+    monkeypatch.chdir(tmp_path)
+    spec = build_job("data/c.parquet", "out", model="models/tiny")
+    assert spec.corpus == str(tmp_path / "data" / "c.parquet")
+    assert spec.encoder.model == str(tmp_path / "models" / "tiny")
+    assert spec.out == "out"
+    named = build_job("s3://bucket/c/*.parquet", "out", model="sentence-transformers/x")
+    assert (named.corpus, named.encoder.model) == ("s3://bucket/c/*.parquet",
+                                                   "sentence-transformers/x")
