@@ -145,6 +145,8 @@ class Encoder:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self._ids = self.tokenizer.ids_tokenizer()
         self.word_local = text_heads.word_local(self.tokenizer.backend)
+        normalizer = self._ids.normalizer
+        self._normalize = normalizer.normalize_str if normalizer is not None else None
         self.tokenizer_workers = pool_workers(self.device.type)  # 0: tokenize in this process
         self._pool = None
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
@@ -385,7 +387,7 @@ class Encoder:
         texts = _prompted(texts, prompt)
         if keep is None or not self.word_local:
             return self._token_rows(texts)
-        cut_texts, cut = text_heads.heads(texts, text_heads.reach(keep))
+        cut_texts, cut = text_heads.heads(texts, text_heads.reach(keep), self._normalize)
         rows = self._token_rows(cut_texts)
         short = np.flatnonzero(cut & (rows.lengths <= keep))  # the head held too few tokens
         if len(short):

@@ -3,17 +3,24 @@
 A text truncated at max_length tokens needs only its first ones, but a fast tokenizer tokenizes
 all of a text before it truncates (sentence-transformers' does too): 200 texts of ~200 KB took
 6.7 s and 1 GB to tokenize for 256 tokens each (MiniLM's tokenizer, AMX Xeon). Where the
-tokenizer is *word-local* - its normalizers map text piece by piece without moving a plain
-space, its pre-tokenizer splits at plain spaces and its model tokenizes each split alone
-(WordPiece, BPE, Unigram, WordLevel) - the text before a space tokenizes to exactly the whole
-text's tokens before that space. So a long text is cut at the first plain space ``chars``
-characters in that follows the end of a word; the caller tokenizes a cut text whole again where
-its head gave too few tokens (``Encoder.tokenize_rows``). Other tokenizers are never cut.
+tokenizer is *word-local* - its normalizers change a text piece by piece (a character, or a
+grapheme) and keep a plain space a plain space, its pre-tokenizer splits at plain spaces and
+its model tokenizes each split alone (WordPiece, BPE, Unigram, WordLevel) - the text before a
+space tokenizes to exactly the whole text's tokens before that space, provided the head's
+normalized text ends in neither whitespace nor nothing (a normalizer that turns a character into
+a space, or deletes it, would leave whitespace the whole text merges with the cut space:
+XLM-R's runs of spaces collapsed, byte-level BPE's runs of whitespace). So a long text is cut at
+the first plain space ``chars`` characters in that qualifies; the caller tokenizes a cut text
+whole again where its head gave too few tokens (``Encoder.tokenize_rows``). Other tokenizers
+are never cut.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
+from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -24,7 +31,8 @@ _SPLITTERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "ByteLevel", 
 _SPLITS_IF = {"ByteLevel": ("use_regex", True), "Metaspace": ("split", True)}
 _FINER = {"Punctuation", "Digits"}
 # normalizers that change characters one at a time (or one grapheme: Precompiled) and keep a
-# plain space a plain space; Strip and Prepend only touch the text's ends
+# plain space a plain space (others may become spaces or vanish: ``heads`` checks the cut);
+# Strip and Prepend only touch the text's ends
 _NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents",
                 "Strip", "Prepend", "Precompiled"}
 _MODELS = {"WordPiece", "BPE", "Unigram", "WordLevel"}
@@ -35,29 +43,52 @@ CHARS_PER_TOKEN = 10
 
 # Unicode's grapheme cluster break property Prepend: such a character joins the next one, a
 # space too, into one grapheme (what the Precompiled normalizer maps); a cut never follows one
+# (Unicode 16; later versions may add more beyond the BMP, where a cut never follows a letter
+# or mark: see ``_ends_word``)
 PREPEND = frozenset(
     chr(c)
     for first, last in ((0x0600, 0x0605), (0x06DD, 0x06DD), (0x070F, 0x070F),
                         (0x0890, 0x0891), (0x08E2, 0x08E2), (0x0D4E, 0x0D4E),
                         (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x111C2, 0x111C3),
-                        (0x1193F, 0x1193F), (0x11941, 0x11941), (0x11A3A, 0x11A3A),
-                        (0x11A84, 0x11A89), (0x11D46, 0x11D46), (0x11F02, 0x11F02))
+                        (0x113D1, 0x113D1), (0x1193F, 0x1193F), (0x11941, 0x11941),
+                        (0x11A3A, 0x11A3A), (0x11A84, 0x11A89), (0x11D46, 0x11D46),
+                        (0x11F02, 0x11F02))
     for c in range(first, last + 1)
 )
+_UNSURE_BEYOND_BMP = {"Lo", "Lm", "Mn", "Mc", "Cf"}
 
 
 def word_local(tokenizer_json: str) -> bool:
     """Whether the tokenizer saved as ``tokenizer_json`` (``Tokenizer.to_str``) tokenizes the
-    text before a plain space as the whole text's tokens before it."""
+    text before a plain space (as ``heads`` cuts it) as the whole text's tokens before it."""
     spec = json.loads(tokenizer_json)
     model = spec.get("model") or {}
-    added = spec.get("added_tokens") or []  # one with a space inside could span a cut
     return (
         model.get("type") in _MODELS
+        and not model.get("dropout")  # random merges: no two tokenizations agree
         and _normalizes_locally(spec.get("normalizer"))
         and _splits_at_spaces(spec.get("pre_tokenizer"))
-        and not any(_has_space(token.get("content", "")) for token in added)
+        and not any(_spans_a_space(token, spec) for token in spec.get("added_tokens") or [])
     )
+
+
+def _spans_a_space(token: dict[str, Any], spec: dict[str, Any]) -> bool:
+    """An added token that could match across a cut: one with whitespace and more in its
+    content (normalized, where it is matched in the normalized text). Runs of whitespace alone
+    (GPT-NeoX's) match only after a cut, which never follows whitespace."""
+    content = token.get("content", "")
+    if token.get("normalized") and spec.get("normalizer") is not None:
+        content = _normalizer(json.dumps(spec["normalizer"]))(content)
+    return any(c.isspace() for c in content) and not content.isspace()
+
+
+@lru_cache(maxsize=16)
+def _normalizer(spec_json: str) -> Callable[[str], str]:
+    from tokenizers import Tokenizer
+
+    spec = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {}, "unk_token": "?"},
+            "normalizer": json.loads(spec_json)}
+    return Tokenizer.from_str(json.dumps(spec)).normalizer.normalize_str
 
 
 def _normalizes_locally(normalizer: dict[str, Any] | None) -> bool:
@@ -96,35 +127,46 @@ def _splits_at_spaces(pre: dict[str, Any] | None) -> bool:
     return splits
 
 
-def _has_space(text: str) -> bool:
-    return any(ch.isspace() for ch in text)
-
-
 def reach(keep: int) -> int:
     """Characters a head spans, at least, for ``keep`` tokens and one more (which tells that
     the text was longer)."""
     return CHARS_PER_TOKEN * (keep + 1)
 
 
-def cut_at(text: str, chars: int) -> int:
-    """Where to cut ``text``: the first plain space at or past ``chars`` that follows neither
-    a space nor a Prepend character; -1 where there is none."""
-    at = text.find(" ", chars)
+def cut_at(text: str, chars: int, normalize: Callable[[str], str] | None = None) -> int:
+    """Where to cut ``text``: the first plain space at or past ``chars`` (and past the first
+    character) after a character that ends a word, where the head ``normalize`` gives
+    (the tokenizer's normalizer) ends in neither whitespace nor nothing; -1 where there is none.
+    """
+    at = text.find(" ", max(chars, 1))
     while at > 0:
-        before = text[at - 1]
-        if not before.isspace() and before not in PREPEND:
+        if _ends_word(text[at - 1]) and (normalize is None or _ends_in_text(normalize(text[:at]))):
             return at
         at = text.find(" ", at + 1)
     return -1
 
 
-def heads(texts: list[str], chars: int) -> tuple[list[str], np.ndarray]:
-    """Each text cut at ``cut_at(text, chars)`` where it is longer, and which ones were cut."""
+def _ends_word(char: str) -> bool:
+    """Not whitespace, and not a character that joins the next into one grapheme (Prepend:
+    the ones Unicode 16 names, and any letter, mark or format character beyond the BMP)."""
+    if char.isspace() or char in PREPEND:
+        return False
+    return ord(char) < 0x10000 or unicodedata.category(char) not in _UNSURE_BEYOND_BMP
+
+
+def _ends_in_text(normalized: str) -> bool:
+    return bool(normalized) and not normalized[-1].isspace()
+
+
+def heads(texts: list[str], chars: int, normalize: Callable[[str], str] | None = None
+          ) -> tuple[list[str], np.ndarray]:
+    """Each text cut at ``cut_at(text, chars, normalize)`` where it is longer, and which ones
+    were cut."""
     out = list(texts)
     cut = np.zeros(len(texts), bool)
     for i, text in enumerate(texts):
         if len(text) > chars:
-            at = cut_at(text, chars)
+            at = cut_at(text, chars, normalize)
             if at > 0:
                 out[i] = text[:at]
                 cut[i] = True

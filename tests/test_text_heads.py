@@ -67,17 +67,45 @@ def word_level() -> Tokenizer:
                                  pre_tokenizers.Digits(individual_digits=True)]))
 
 
-TOKENIZERS = {"wordpiece": minilm(), "byte_level_bpe": byte_level_bpe(),
-              "unigram_metaspace": unigram_metaspace(), "word_level": word_level()}
+def spaces_made_then_collapsed() -> Tokenizer:
+    """A normalizer that turns a character into a space (as XLM-R's charsmap does U+200B) before
+    the collapse of space runs: a head ending in that character ends in a space, which the
+    whole text merges with the cut space."""
+    to_space = normalizers.Replace("\u200b", " ")
+    collapse = normalizers.Replace(Regex(" {2,}"), " ")
+    return trained(models.Unigram(), trainers.UnigramTrainer(
+        vocab_size=2000, unk_token="<unk>", special_tokens=["<unk>"]),
+        normalizers.Sequence([to_space, collapse]), pre_tokenizers.Metaspace())
 
-# spaces of several kinds, marks that combine, CJK, emoji, a Prepend mark, Metaspace's own ▁
+
+def cjk_spaced_byte_level() -> Tokenizer:
+    """BERT's normalizer puts spaces around CJK characters; byte-level BPE's regex groups a run
+    of whitespace otherwise when more follows."""
+    return trained(models.BPE(), trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+        normalizers.BertNormalizer(lowercase=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False))
+
+
+TOKENIZERS = {"wordpiece": minilm(), "byte_level_bpe": byte_level_bpe(),
+              "unigram_metaspace": unigram_metaspace(), "word_level": word_level(),
+              "spaces_made_then_collapsed": spaces_made_then_collapsed(),
+              "cjk_spaced_byte_level": cjk_spaced_byte_level()}
+
+# spaces of several kinds, marks that combine, CJK, emoji, a Prepend mark, Metaspace's own ▁,
+# characters normalizers turn into spaces or delete (zero-width, controls)
 ALPHABET = list("ab cd  EF\t\n.,'-_0123") + ["\u00a0", "\u0308", "é", "İ", "ß", "中", "文", "▁",
-                                            "🚀", "\u0600", "\u3000", "n't"]
+                                            "🚀", "\u0600", "\u3000", "n't", "\u200b", "\ufeff",
+                                            "\x01", "\u0301", "中  "]
 TEXTS = st.lists(st.sampled_from(ALPHABET), max_size=80).map("".join)
 
 
 def ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def normalize_of(tokenizer: Tokenizer):
+    return tokenizer.normalizer.normalize_str if tokenizer.normalizer else None
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -91,7 +119,7 @@ def test_the_tokenizers_of_each_kind_are_word_local(name: str) -> None:
 def test_a_head_tokenizes_to_the_start_of_the_whole_text(name: str, text: str,
                                                           chars: int) -> None:
     tokenizer = TOKENIZERS[name]
-    (head,), cut = text_heads.heads([text], chars)
+    (head,), cut = text_heads.heads([text], chars, normalize_of(tokenizer))
     whole = ids(tokenizer, text)
     if not cut[0]:
         assert head == text
@@ -106,13 +134,12 @@ def test_real_long_texts_lose_only_their_tail() -> None:
     are the start of the whole text's ids, and it is about ``reach`` characters long."""
     long = [" ".join(CORPUS[i : i + 150]) for i in range(0, 150, 10)]
     chars = text_heads.reach(254)
-    heads, cut = text_heads.heads(long, chars)
-    assert cut.all()
     for name, tokenizer in TOKENIZERS.items():
+        heads, cut = text_heads.heads(long, chars, normalize_of(tokenizer))
+        assert cut.all() and all(chars <= len(h) < chars + 200 for h in heads)
         for text, head in zip(long, heads, strict=True):
             mine, whole = ids(tokenizer, head), ids(tokenizer, text)
             assert mine == whole[: len(mine)] and len(mine) < len(whole), name
-    assert all(chars <= len(h) < chars + 200 for h in heads)
 
 
 def edited(change) -> str:
@@ -139,6 +166,12 @@ REFUSED = {
         "id": 30522, "content": "new york", "single_word": False, "lstrip": False,
         "rstrip": False, "normalized": True, "special": False}),
     "an unknown model": lambda s: s["model"].update(type="Mystery"),
+    "an added token whose normalized content holds a space": lambda s: s.update(
+        normalizer={"type": "NFKC"}) or s["added_tokens"].append({
+            "id": 30522, "content": "x\u00a8y", "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": True, "special": False}),
+    "BPE with dropout": lambda s: s.update(model={
+        "type": "BPE", "dropout": 0.1, "vocab": {"a": 0}, "merges": [], "unk_token": "a"}),
 }
 
 
@@ -161,12 +194,39 @@ def test_a_tokenizer_without_splits_at_spaces_would_tokenize_a_head_otherwise() 
     assert not text_heads.word_local(tokenizer.to_str())
 
 
-def test_a_head_never_follows_a_space_or_a_prepend_mark() -> None:
+def test_added_tokens_of_whitespace_alone_cut_nothing() -> None:
+    """GPT-NeoX's (ModernBERT's) runs of spaces: a cut never follows whitespace."""
+    def runs(spec: dict) -> None:
+        spec["added_tokens"].append({
+            "id": 30522, "content": " " * 8, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": False})
+    assert text_heads.word_local(edited(runs))
+
+
+def test_a_head_never_follows_a_space_a_prepend_mark_or_what_normalizes_to_a_space() -> None:
     assert text_heads.cut_at("ab  cd ef", 3) == 6
     assert text_heads.cut_at("ab  cd ef", 2) == 2
     assert text_heads.cut_at("ab\u0600 cd ef", 2) == 6
+    assert text_heads.cut_at("ab\U000113d1 cd ef", 2) == 6  # Prepend since Unicode 16
+    assert text_heads.cut_at(" ab cd", 0) == 3
     assert text_heads.cut_at("abcdef", 2) == -1
     assert text_heads.heads(["short", "a long text here"], 6)[0] == ["short", "a long"]
+    normalize = normalize_of(TOKENIZERS["spaces_made_then_collapsed"])
+    assert text_heads.cut_at("the package\u200b for python", 4, normalize) == 16
+    assert text_heads.cut_at("package\u200b for python", 4, normalize) == 12
+    assert text_heads.cut_at("the \x01 package here", 4, normalize_of(minilm())) == 13
+
+
+def test_without_looking_at_the_normalized_head_a_cut_would_change_tokens() -> None:
+    """Why ``cut_at`` normalizes the head: U+200B becomes a space the whole text collapses
+    into the cut space; the raw characters cannot tell."""
+    tokenizer = TOKENIZERS["spaces_made_then_collapsed"]
+    text = "package\u200b the python"
+    (blind,), _ = text_heads.heads([text], 4)
+    (head,), _ = text_heads.heads([text], 4, normalize_of(tokenizer))
+    assert blind == "package\u200b" and head == "package\u200b the"
+    assert ids(tokenizer, blind) != ids(tokenizer, text)[: len(ids(tokenizer, blind))]
+    assert ids(tokenizer, head) == ids(tokenizer, text)[: len(ids(tokenizer, head))]
 
 
 def test_the_encoder_tokenizes_heads_and_again_whole_where_a_head_falls_short(
