@@ -35,4 +35,15 @@ def test_the_exit_code_and_exit_hooks_stand_and_the_teardown_is_skipped(tmp_path
 def test_a_cli_that_raised_exits_the_usual_way(tmp_path: Path) -> None:
     done = _embedpipe("no-such-command")  # argparse raises SystemExit(2) inside main()
     assert done.returncode == 2
+    assert done.stderr.startswith("embedpipe: error: argument COMMAND: invalid choice: "
+                                  "'no-such-command' (choose from ")
+    assert done.stderr.endswith(" (see embedpipe --help)\n") and done.stderr.count("\n") == 1
+
+
+def test_a_bad_flag_is_one_line_too() -> None:
+    """argparse printed its whole usage before the reason."""
+    done = _embedpipe("backfill", "corpus", "out")
+    assert done.returncode == 2
+    assert done.stderr == ("embedpipe backfill: error: the following arguments are required: "
+                           "--pooler (see embedpipe backfill --help)\n")
     assert done.stdout.splitlines() == ["later exit hooks ran", "teardown ran"]
