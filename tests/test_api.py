@@ -281,3 +281,16 @@ def test_api_calls_let_openmp_spin_briefly_as_the_cli_does(tmp_path, user, spins
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nothing")], env=env | user,
                           capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == [str(spins), "False"]
+
+
+@pytest.mark.slow
+def test_the_dask_runner_keeps_the_terminal_quiet(tmp_path, tiny_model_dir, prefect_api):
+    """A local Dask cluster's scheduler, nanny and workers logged ~30 INFO lines on stderr."""
+    corpus = tmp_path / "corpus"
+    _write(corpus, "a.parquet", list(range(100, 120)), TEXTS)
+    done, _ = _cli("embed", str(corpus), str(tmp_path / "out"), "--model", str(tiny_model_dir),
+                   "--dtype", "fp32", "--device", "cpu", "--runner", "dask", "--workers", "1",
+                   "--rows-per-shard", "10")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("embedded 20 rows")
+    assert "distributed" not in done.stderr and " INFO " not in done.stderr, done.stderr

@@ -60,6 +60,9 @@ def quiet_prefect() -> None:
         logging.getLogger(worker).setLevel(logging.ERROR)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    # --runner dask: the local cluster's scheduler, nanny and worker processes log INFO lines
+    # on stderr (~30 a run); read from the environment by each process as it imports dask
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     if os.environ.get("PREFECT_API_URL"):
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
         return
