@@ -37,9 +37,10 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
     p.add_argument("corpus", help="Parquet file, folder or glob (local or s3://)")
     p.add_argument("out", help="output folder (local or s3://)")
     p.add_argument("--config", help="TOML file with [encoder], [[poolers]] and job options")
+    default = ("" if pooler_required else "; default: every set already in OUT, else model "
+               "for a sentence-transformers folder, else mean")
     p.add_argument("--pooler", action="append", required=pooler_required, metavar="NAME",
-                   help="pooler set to make (repeatable; default: every set already in OUT, "
-                   "else model for a sentence-transformers folder, else mean)")
+                   help=f"pooler set to make (repeatable{default})")
     p.add_argument("--model", help="model folder or Hugging Face name (default: packaged MiniLM)")
     p.add_argument("--id-column", help="id column (default id)")
     p.add_argument("--text-column", help="text column (default text)")
@@ -53,8 +54,9 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
                    help="where --dtype int8 runs (default auto: oneDNN in the fused forward "
                    "where this model and CPU allow it, else ONNX Runtime)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the model through torch.compile: a compile on the first batch "
-                   "(MiniLM on 2 cores: 7-25 s), then 1.06-1.22x faster batches (long runs)")
+                   help="run the model through torch.compile (a compile on the first batch, "
+                   "MiniLM on 2 cores: 14-25 s): for models the fused CPU forward does not "
+                   "run, and GPUs")
     p.add_argument("--runner", choices=get_args(Runner))
     p.add_argument("--dask-address", help="scheduler address (default: a local Dask cluster)")
     p.add_argument("--workers", type=int, help="parallel shards (default 1)")

@@ -35,7 +35,8 @@ def _query_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("query", help="search a set's index with text")
     p.add_argument("out", metavar="OUT", nargs="?",
                    help="output folder (not needed with --url)")
-    p.add_argument("text", metavar="TEXT", nargs="+")
+    p.add_argument("text", metavar="TEXT", nargs="+",
+                   help="the query (several words are joined into one query)")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--set", dest="set_name", metavar="NAME")
     p.add_argument("--url", help="ask a running `embedpipe serve` (http://host:port) instead; "
