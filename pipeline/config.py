@@ -32,6 +32,16 @@ HEAD_WEIGHTS = "head.safetensors"
 CacheDType = Literal["auto", "fp32", "bf16"]  # encoder states cached for head training
 
 
+def resolve_layer(index: int, num_layers: int) -> int:
+    """Map ``-1`` (last) .. ``-(L+1)`` (embeddings) and ``0..L`` onto ``0..L``."""
+    if not -(num_layers + 1) <= index <= num_layers:
+        raise ConfigError(
+            f"layer {index} is out of range for a model with {num_layers} layers "
+            f"(valid: {-(num_layers + 1)}..{num_layers})"
+        )
+    return index % (num_layers + 1)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

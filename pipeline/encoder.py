@@ -22,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline import first_token_attention, text_heads
-from pipeline.config import EncoderConfig
+from pipeline.config import EncoderConfig, resolve_layer
 from pipeline.errors import ConfigError, ModelError
 from pipeline.first_token_attention import FirstTokenAttention
 from pipeline.int8_linear import calibration_batches
@@ -82,16 +82,6 @@ class Prompt:
     text: str = ""
     ids: tuple[int, ...] = ()
     length: int = 0
-
-
-def resolve_layer(index: int, num_layers: int) -> int:
-    """Map ``-1`` (last) .. ``-(L+1)`` (embeddings) and ``0..L`` onto ``0..L``."""
-    if not -(num_layers + 1) <= index <= num_layers:
-        raise ConfigError(
-            f"layer {index} is out of range for a model with {num_layers} layers "
-            f"(valid: {-(num_layers + 1)}..{num_layers})"
-        )
-    return index % (num_layers + 1)
 
 
 class Encoder:

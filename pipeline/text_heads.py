@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import unicodedata
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -68,27 +67,27 @@ def word_local(tokenizer_json: str) -> bool:
         and not model.get("dropout")  # random merges: no two tokenizations agree
         and _normalizes_locally(spec.get("normalizer"))
         and _splits_at_spaces(spec.get("pre_tokenizer"))
-        and not any(_spans_a_space(token, spec) for token in spec.get("added_tokens") or [])
+        and not _added_token_spans_a_space(spec, tokenizer_json)
     )
 
 
-def _spans_a_space(token: dict[str, Any], spec: dict[str, Any]) -> bool:
-    """An added token that could match across a cut: one with whitespace and more in its
+def _added_token_spans_a_space(spec: dict[str, Any], tokenizer_json: str) -> bool:
+    """Whether an added token could match across a cut: one with whitespace and more in its
     content (normalized, where it is matched in the normalized text). Runs of whitespace alone
     (GPT-NeoX's) match only after a cut, which never follows whitespace."""
-    content = token.get("content", "")
-    if token.get("normalized") and spec.get("normalizer") is not None:
-        content = _normalizer(json.dumps(spec["normalizer"]))(content)
-    return any(c.isspace() for c in content) and not content.isspace()
+    added = spec.get("added_tokens") or []
+    normalize = None
+    if spec.get("normalizer") is not None and any(t.get("normalized") for t in added):
+        from tokenizers import Tokenizer
 
-
-@lru_cache(maxsize=16)
-def _normalizer(spec_json: str) -> Callable[[str], str]:
-    from tokenizers import Tokenizer
-
-    spec = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {}, "unk_token": "?"},
-            "normalizer": json.loads(spec_json)}
-    return Tokenizer.from_str(json.dumps(spec)).normalizer.normalize_str
+        normalize = Tokenizer.from_str(tokenizer_json).normalizer.normalize_str
+    for token in added:
+        content = token.get("content", "")
+        if token.get("normalized") and normalize is not None:
+            content = normalize(content)
+        if any(c.isspace() for c in content) and not content.isspace():
+            return True
+    return False
 
 
 def _normalizes_locally(normalizer: dict[str, Any] | None) -> bool:

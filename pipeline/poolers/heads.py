@@ -35,7 +35,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from pipeline import storage
-from pipeline.config import HEAD_JSON, HEAD_WEIGHTS, HeadKind
+from pipeline.config import HEAD_JSON, HEAD_WEIGHTS, HeadKind, resolve_layer
 from pipeline.errors import ConfigError
 
 MAX_JSON_BYTES = 1 << 20  # head.json and the safetensors header are small
@@ -71,7 +71,7 @@ class HeadConfig(BaseModel):
     @property
     def resolved_layers(self) -> tuple[int, ...]:
         """``layers`` as 0 (embeddings) .. ``num_layers``."""
-        return tuple(i % (self.num_layers + 1) for i in self.layers)
+        return tuple(resolve_layer(i, self.num_layers) for i in self.layers)
 
     def identity(self) -> dict:
         """Every field that decides the head's vectors (not its recorded metrics), with the
