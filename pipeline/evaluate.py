@@ -30,26 +30,34 @@ class SetScores(BaseModel):
     k: int
     search: str  # "exact" (over the set's vectors) or "index" (its published FAISS index)
     scores: dict[str, float]
+    unlabelled: int = 0  # rows of the queries file without a query or a doc_id: not scored
 
 
-def load_queries(url: str) -> pl.DataFrame:
-    """Distinct (query, doc_id) rows with a non-blank query and a doc id."""
-    table = storage.read_parquet(url)
-    missing = [c for c in ("query", "doc_id") if c not in table.column_names]
-    if missing:
-        raise CorpusError(
-            f"{url} has no column {', '.join(missing)} (its columns: "
-            f"{', '.join(table.column_names)})"
-        )
-    frame = _decoded(pl.from_arrow(table.select(["query", "doc_id"])))
-    if frame.schema["query"] != pl.String:
-        raise CorpusError(f"{url}: column query is {frame.schema['query']}, not text")
-    frame = (frame.filter(pl.col("query").str.strip_chars().str.len_chars() > 0,
-                          pl.col("doc_id").is_not_null())
-             .unique(maintain_order=True))
-    if frame.is_empty():
+def load_queries(url: str) -> tuple[pl.DataFrame, int]:
+    """Distinct (query, doc_id) rows with a non-blank query and a doc id, and how many rows
+    lacked either (not scored). Each file of a folder or glob must have both columns."""
+    frames = []
+    for path in storage.expand_parquet(url):
+        table = storage.read_parquet(path)
+        missing = [c for c in ("query", "doc_id") if c not in table.column_names]
+        if missing:
+            raise CorpusError(
+                f"{path} has no column {', '.join(missing)} (its columns: "
+                f"{', '.join(table.column_names)})"
+            )
+        frame = _decoded(pl.from_arrow(table.select(["query", "doc_id"])))
+        if frame.schema["query"] != pl.String:
+            raise CorpusError(f"{path}: column query is {frame.schema['query']}, not text")
+        frames.append(frame)
+    try:
+        every = pl.concat(frames, how="vertical_relaxed")
+    except pl.exceptions.PolarsError:
+        raise CorpusError(f"the files of {url} disagree on the type of doc_id") from None
+    labelled = every.filter(pl.col("query").str.strip_chars().str.len_chars() > 0,
+                            pl.col("doc_id").is_not_null())
+    if labelled.is_empty():
         raise CorpusError(f"{url} has no rows with a non-empty query and a doc_id")
-    return frame
+    return labelled.unique(maintain_order=True), len(every) - len(labelled)
 
 
 def _decoded(frame: pl.DataFrame) -> pl.DataFrame:
@@ -69,15 +77,15 @@ def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: 
     from pipeline.index import list_sets
 
     ranking.check_k(k)
-    relevant = load_queries(queries)
-    names = list(sets or list_sets(out))
+    relevant, unlabelled = load_queries(queries)
+    names = list(dict.fromkeys(sets or list_sets(out)))
     if not names:
         raise StorageError(f"no sets under {out}; run `embedpipe embed` first")
     load = {"device": device, "trust_remote_code": trust_remote_code}
     scored = [evaluate_set(out, name, relevant, k, exact, load) for name in names]
     if ranks_out:
         write_ranks([ranks for _, ranks in scored], ranks_out)
-    return [scores for scores, _ in scored]
+    return [scores.model_copy(update={"unlabelled": unlabelled}) for scores, _ in scored]
 
 
 def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
@@ -183,12 +191,19 @@ def write_ranks(frames: list[pl.DataFrame], url: str) -> None:
 
 
 def table(results: list[SetScores]) -> str:
-    """A plain-text table: one row per set, one column per metric, and the search used."""
+    """A plain-text table: one row per set, one column per metric, and the search used; a
+    last line counts the queries file's rows that were not scored."""
     metrics = ranking.metric_names(results[0].k) if results else ()
-    head = f"{'set':<24}{'queries':>9}{'search':>8}" + "".join(f"{m:>11}" for m in metrics)
+    widths = [max(11, len(m) + 2) for m in metrics]
+    head = f"{'set':<24}{'queries':>9}{'search':>8}" + "".join(
+        f"{m:>{w}}" for m, w in zip(metrics, widths, strict=True))
     rows = [f"{r.set:<24}{r.queries:>9}{r.search:>8}"
-            + "".join(f"{r.scores[m]:>11.4f}" for m in metrics) for r in results]
-    return "\n".join([head, *rows])
+            + "".join(f"{r.scores[m]:>{w}.4f}" for m, w in zip(metrics, widths, strict=True))
+            for r in results]
+    unlabelled = results[0].unlabelled if results else 0
+    note = ([f"({unlabelled} rows of the queries file without a query or a doc_id: not "
+             "scored)"] if unlabelled else [])
+    return "\n".join([head, *rows, *note])
 
 
 def plot(results: list[SetScores], path: str) -> None:

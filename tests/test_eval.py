@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from flows.cli import main
 from pipeline import ranking
 from pipeline.errors import CorpusError
-from pipeline.evaluate import load_queries
+from pipeline.evaluate import SetScores, load_queries, table
 from pipeline.index import IndexRequest, index_set
 from pipeline.index.tune import recall_of_labels
 from pipeline.training.metrics import retrieval_metrics
@@ -82,8 +82,36 @@ def test_queries_file_needs_query_and_doc_id(tmp_path):
     pq.write_table(pa.table({"question": ["a"], "doc_id": [1]}), path)
     with pytest.raises(CorpusError, match=r"no column query \(its columns: question, doc_id\)"):
         load_queries(str(path))
-    pq.write_table(pa.table({"query": ["a", "a", " ", None], "doc_id": [1, 1, 2, 3]}), path)
-    assert load_queries(str(path)).rows() == [("a", 1)]
+    pq.write_table(pa.table({"query": ["a", "a", " ", None, "b"], "doc_id": [1, 1, 2, 3, None]}),
+                   path)
+    frame, unlabelled = load_queries(str(path))
+    assert (frame.rows(), unlabelled) == ([("a", 1)], 3)
+
+
+def test_each_file_of_a_queries_folder_needs_both_columns(tmp_path):
+    """pyarrow reads a folder with the first file's schema, filling the others' missing
+    columns with nulls: their rows were dropped as unlabelled, silently, in whichever order
+    the files sorted."""
+    folder = tmp_path / "q"
+    folder.mkdir()
+    pq.write_table(pa.table({"query": ["a", "b"], "doc_id": [1, 2]}), folder / "a.parquet")
+    pq.write_table(pa.table({"question": ["c"], "doc": [3]}), folder / "b.parquet")
+    with pytest.raises(CorpusError, match=r"b\.parquet has no column query, doc_id"):
+        load_queries(str(folder))
+    pq.write_table(pa.table({"query": ["c"], "doc_id": pa.array([3], pa.int32())}),
+                   folder / "b.parquet")
+    frame, unlabelled = load_queries(str(folder))
+    assert (frame.rows(), unlabelled) == ([("a", 1), ("b", 2), ("c", 3)], 0)
+
+
+def test_the_table_keeps_wide_metric_names_apart_and_counts_unlabelled_rows():
+    scores = {"recall@1": 0.5, "recall@1000": 1.0, "mrr@1000": 0.75, "ndcg@1000": 0.8}
+    result = SetScores(set="mean", queries=3, k=1000, search="exact", scores=scores,
+                       unlabelled=2)
+    lines = table([result]).splitlines()
+    assert lines[0].split() == ["set", "queries", "search", *scores]
+    assert lines[1].split() == ["mean", "3", "exact", "0.5000", "1.0000", "0.7500", "0.8000"]
+    assert lines[2] == "(2 rows of the queries file without a query or a doc_id: not scored)"
 
 
 def test_eval_command_scores_sets_as_table_json_and_png(tmp_path, tiny_model_dir, capsys):
@@ -97,10 +125,11 @@ def test_eval_command_scores_sets_as_table_json_and_png(tmp_path, tiny_model_dir
     queries = tmp_path / "queries.parquet"
     pq.write_table(pa.table({"query": TEXTS[:10], "doc_id": list(range(100, 110))}), queries)
     png = tmp_path / "chart.png"
-    assert main(["eval", str(out), str(queries), "--set", "mean", "--set", "cls", "--json",
-                 "--plot", str(png)]) == 0
-    results = {r["set"]: r for r in json.loads(capsys.readouterr().out)}
-    assert set(results) == {"mean", "cls"}
+    assert main(["eval", str(out), str(queries), "--set", "mean", "--set", "cls", "--set",
+                 "mean", "--json", "--plot", str(png)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    results = {r["set"]: r for r in printed}
+    assert [r["set"] for r in printed] == ["mean", "cls"]  # a set named twice is scored once
     for r in results.values():
         assert (r["queries"], r["k"], r["search"]) == (10, 10, "exact")
         assert r["scores"] == {"recall@1": 1.0, "recall@10": 1.0, "mrr@10": 1.0, "ndcg@10": 1.0}
@@ -119,7 +148,7 @@ def test_dictionary_encoded_query_and_doc_id_columns_are_read_as_text(tmp_path):
     path = tmp_path / "q.parquet"
     pq.write_table(pa.table({"query": pa.array(["a", " ", "b", "a"]).dictionary_encode(),
                              "doc_id": pa.array(["1", "2", "3", "1"]).dictionary_encode()}), path)
-    frame = load_queries(str(path))
+    frame, _ = load_queries(str(path))
     assert frame.schema == {"query": pl.String, "doc_id": pl.String}
     assert frame.rows() == [("a", "1"), ("b", "3")]
 
