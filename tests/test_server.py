@@ -26,6 +26,7 @@ def server(tmp_path_factory, tiny_model_dir):
 
 def test_health_describes_the_loaded_sets(server):
     base, _ = server
+    assert httpx.head(f"{base}/health").status_code == 200  # load balancers' checks
     body = httpx.get(f"{base}/health").json()
     assert body["status"] == "ok" and body["default_set"] == "mean"
     mean = body["sets"]["mean"]
@@ -59,6 +60,8 @@ def test_search_one_query_and_a_batch(server):
         ({"queries": ["ok", 5]}, 422, "valid string"),
         ({"query": "a", "k": 0}, 422, "greater than or equal to 1"),
         ({"query": "a", "k": "ten"}, 422, "valid integer"),
+        ({"query": "a", "k": "5"}, 422, "valid integer"),  # strict: not coerced
+        ({"query": "a", "k": True}, 422, "valid integer"),
         ({"query": "a", "k": 51}, 422, "k must be <= 50"),
         ({"query": "a", "k": 10**9}, 422, "less than or equal to 1000"),
         ({"query": "x" * 2_001}, 422, "longer than 2000 characters"),

@@ -148,6 +148,24 @@ def test_a_set_indexed_after_the_start_is_served_without_a_restart(first_generat
     assert live.get("mean").set.name == "mean"  # the served set untouched
 
 
+def test_one_sets_unreadable_index_file_does_not_hide_a_newly_indexed_set(first_generation,
+                                                                          tiny_model_dir):
+    """Discovery read every set's ``_INDEX.json``: one unreadable file failed the listing, and
+    no set indexed after it was served until the file was mended."""
+    from pipeline.server import ServerConfig, create_app
+
+    out = first_generation
+    live = create_app(ServerConfig(out=str(out), default_set="mean")).state.live
+    embedded_set(out.parent, tiny_model_dir, name="cls", texts=TEXTS[:FIRST], strategy="cls")
+    embedded_set(out.parent, tiny_model_dir, name="max", texts=TEXTS[:FIRST], strategy="max")
+    for name in ("cls", "max"):
+        index_set(IndexRequest(out=str(out), set_name=name), say=lambda _: None)
+    (out / "index" / "cls" / "_INDEX.json").write_text("not json")
+    live.poll()
+    assert sorted(live.names) == ["max", "mean"]  # cls: its load failed, logged, retried later
+    assert live.get("max").search([TEXTS[3]], k=1)[0][0].id == 103
+
+
 def test_a_new_set_that_fails_to_load_is_retried_later_and_the_others_serve_on(
         first_generation):
     out = first_generation

@@ -81,8 +81,14 @@ def _live_sets(config: ServerConfig, metrics: ServerMetrics) -> tuple[LiveSets, 
     loaded now and kept current; and the default set's name."""
     from pipeline.index import list_sets, read_meta
 
+    def published(name: str) -> bool:
+        try:
+            return read_meta(config.out, name) is not None
+        except EmbedpipeError:  # its load fails with the reason: logged, retried, others served
+            return True
+
     def indexed() -> list[str]:
-        return [s for s in list_sets(config.out) if read_meta(config.out, s) is not None]
+        return [s for s in list_sets(config.out) if published(s)]
 
     def load(name: str) -> Searcher:
         return Searcher(config.out, name, device=config.device,
@@ -107,15 +113,23 @@ def _live_sets(config: ServerConfig, metrics: ServerMetrics) -> tuple[LiveSets, 
 
 
 def serve(config: ServerConfig, host: str, port: int) -> None:
-    """Run the app under uvicorn with the connection and keep-alive limits of ``config``."""
+    """Run the app under uvicorn with the connection, keep-alive and header-time limits of
+    ``config``, on a socket bound before the sets load (``listener.bound_socket``)."""
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
+    from pipeline.server.listener import bound_socket, header_timeout_protocol
+
+    sock = bound_socket(host, port)
     logs = copy.deepcopy(LOGGING_CONFIG)  # uvicorn's, plus embedpipe's own lines (reloads)
     logs["loggers"]["embedpipe"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info", log_config=logs,
-                limit_concurrency=config.max_connections,
-                timeout_keep_alive=config.keep_alive_s)
+    with sock:
+        app = create_app(config)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=host, port=sock.getsockname()[1], log_level="info", log_config=logs,
+            limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive_s,
+            http=header_timeout_protocol(config.body_timeout_s)))
+        server.run(sockets=[sock])
 
 
 def _swapped(metrics: ServerMetrics, names: list[str]) -> Callable[[Searcher], None]:
@@ -169,7 +183,7 @@ def _routes(app: FastAPI, config: ServerConfig, live: LiveSets, gate: Gate, defa
             raise HTTPException(404, f"unknown set {name!r} (served: {', '.join(live.names)})")
         return live.get(name or default)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     def health() -> dict:
         return {
             "status": "ok",

@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     StringConstraints,
     field_validator,
     model_validator,
@@ -57,7 +58,7 @@ class SearchRequest(BaseModel):
 
     query: Text | None = None
     queries: list[Text] | None = Field(default=None, min_length=1, max_length=MAX_BATCH)
-    k: int = Field(default=10, ge=1, le=MAX_K)
+    k: StrictInt = Field(default=10, ge=1, le=MAX_K)  # not true, 5.0 or "5"
     set: str | None = Field(default=None, min_length=1, max_length=64)
 
     @model_validator(mode="after")
@@ -88,7 +89,7 @@ class EmbeddingsRequest(BaseModel):
     input: Text | list[Text]
     model: str | None = Field(default=None, min_length=1, max_length=64)
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, gt=0)
+    dimensions: StrictInt | None = Field(default=None, gt=0)
     user: str | None = None
 
     _text = field_validator("input", mode="before")(_text_only)
@@ -123,6 +124,6 @@ class TeiEmbedRequest(BaseModel):
     truncate: bool | None = None
     truncation_direction: Literal["right", "Right"] | None = None
     prompt_name: Annotated[str | None, AfterValidator(_no_prompt)] = None
-    dimensions: int | None = Field(default=None, gt=0)
+    dimensions: StrictInt | None = Field(default=None, gt=0)
 
     _text = field_validator("inputs", mode="before")(_text_only)
