@@ -108,9 +108,11 @@ def search(out: str, queries: str | Sequence[str], k: int = 10, *, set_name: str
            trust_remote_code: bool = False) -> list[list[Hit]]:
     """The ``k`` best hits per query from a set's published index (no Prefect involved)."""
     _installation()
-    from pipeline.search import Searcher
+    from pipeline.ranking import check_k
+    from pipeline.search import Searcher, check_queries
 
-    texts = [queries] if isinstance(queries, str) else list(queries)
+    texts = check_queries([queries] if isinstance(queries, str) else list(queries))
+    check_k(k)
     searcher = Searcher(out, set_name, device=device, trust_remote_code=trust_remote_code,
                         snippets=snippets)
     return searcher.search(texts, k, snippets=snippets)

@@ -14,12 +14,13 @@ hold the set's ids (``snippet_note`` says why there are none).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec, parse
-from pipeline.errors import FingerprintError, StorageError, TokenLimitError
+from pipeline.errors import ConfigError, FingerprintError, StorageError, TokenLimitError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
 from pipeline.models.hashing import int8_kernel_of
 from pipeline.ranking import check_k
@@ -47,6 +48,23 @@ def pick_set(out: str, name: str | None) -> str:
         hint = f"; build one with `embedpipe index {out}`" if sets else ""
         raise StorageError(f"no indexed sets under {out} (sets: {', '.join(sets) or 'none'}){hint}")
     raise StorageError(f"{out} has several indexed sets ({', '.join(indexed)}): pass --set NAME")
+
+
+def check_queries(queries: Sequence[object]) -> list[str]:
+    """``queries`` as a list when each is text the tokenizer reads: a string, not blank, valid
+    Unicode (a lone surrogate is what a command line's bytes that were not UTF-8 become), else
+    one line naming the first that is not."""
+    for i, text in enumerate(queries):
+        if not isinstance(text, str):
+            raise ConfigError(f"query {i} is {type(text).__name__}, not text")
+        if not text.strip():
+            raise ConfigError(f"query {i} is empty or whitespace")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"query {i} is not valid text at character {exc.start} "
+                              "(bytes that are not UTF-8?)") from None
+    return list(queries)
 
 
 class QueryEncoder:
@@ -173,6 +191,7 @@ class Searcher:
                snippets: bool = True) -> list[list[Hit]]:
         """Per query, the k best (id, score) with rank and snippet; best first."""
         check_k(k)
+        queries = check_queries(queries)
         if not queries:
             return []
         found = self.handle.search(self.encode(queries), k)

@@ -33,9 +33,10 @@ class SnippetStore:
         self.id_column = id_column
         self.text_column = text_column
         self._groups: list[tuple[str, int, pa.Array]] | None = None
-        self._cache: OrderedDict[tuple[str, int], pa.Array] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int], tuple[pa.Array, pa.Array]] = OrderedDict()
         self._cache_groups = cache_groups
         self._lock = threading.Lock()
+        self.problem: str | None = None  # why the last ``texts`` call found no corpus to read
 
     def check(self, set_ids: pa.Array) -> str | None:
         """Why this is not a corpus of the set with ``set_ids`` (one line), or None if it is."""
@@ -47,6 +48,8 @@ class SnippetStore:
             found = len(self.texts(sample.to_pylist())) if len(sample) else 0
         except EmbedpipeError as exc:
             return str(exc)
+        if self.problem:
+            return self.problem
         if found < MIN_FOUND * len(sample):
             return (f"{self.corpus} is not the set's corpus: only {found} of {len(sample)} "
                     f"sampled ids of the set are in its column {self.id_column!r}")
@@ -69,6 +72,8 @@ class SnippetStore:
         groups = []
         for url in storage.expand_parquet(self.corpus):
             pf = storage.parquet_file(url)
+            if self.id_column not in pf.schema_arrow.names:
+                raise _Moved(f"{url} has no column {self.id_column!r}")
             with storage.explained(url, "read"):
                 for g in range(pf.metadata.num_row_groups):
                     ids = pf.read_row_group(g, columns=[self.id_column]).column(0)
@@ -76,40 +81,71 @@ class SnippetStore:
         return groups
 
     def texts(self, ids: list, chars: int = SNIPPET_CHARS) -> dict:
-        """{id: first ``chars`` characters of its text} for the ids found in the corpus."""
+        """{id: first ``chars`` characters of its text} for the ids found in the corpus.
+
+        The corpus may change under a long-lived searcher (a nightly rewrite before the next
+        run): each text is read beside its id, and where the id there is no longer the one
+        the id map placed there, or the group or file is gone, the ids are read again once.
+        Where that fails too, the ids get no snippet and ``problem`` says why: a search's
+        hits never depend on the corpus."""
         with self._lock:
-            if self._groups is None:
-                self._groups = self._load_ids()
-            found: dict = {}
-            wanted = set(ids)
-            for url, group, column in self._groups:
-                if not wanted:
-                    break
-                value_set = pa.array(list(wanted)).cast(column.type, safe=False)
-                pos = pc.index_in(value_set, value_set=column).to_numpy(zero_copy_only=False)
-                hits = [(v, int(p)) for v, p in zip(value_set.to_pylist(), pos, strict=True)
-                        if not np.isnan(p)]
-                if not hits:
-                    continue
-                texts = self._text_group(url, group)
-                for value, row in hits:
-                    text = texts[row].as_py()
-                    found[value] = _clip(text, chars)
-                    wanted.discard(value)
+            try:
+                found = self._found(ids, chars)
+            except (_Moved, EmbedpipeError):
+                self._groups, self.problem = None, None
+                self._cache.clear()
+                try:
+                    found = self._found(ids, chars)
+                except (_Moved, EmbedpipeError) as exc:
+                    self._groups, self.problem = None, f"no snippets from {self.corpus}: {exc}"
+                    return {}
+            self.problem = None
             return found
 
-    def _text_group(self, url: str, group: int) -> pa.Array:
+    def _found(self, ids: list, chars: int) -> dict:
+        if self._groups is None:
+            self._groups = self._load_ids()
+        found: dict = {}
+        wanted = set(ids)
+        for url, group, column in self._groups:
+            if not wanted:
+                break
+            value_set = pa.array(list(wanted)).cast(column.type, safe=False)
+            pos = pc.index_in(value_set, value_set=column).to_numpy(zero_copy_only=False)
+            hits = [(v, int(p)) for v, p in zip(value_set.to_pylist(), pos, strict=True)
+                    if not np.isnan(p)]
+            if not hits:
+                continue
+            group_ids, texts = self._text_group(url, group)
+            for value, row in hits:
+                if row >= len(group_ids) or group_ids[row].as_py() != value:
+                    raise _Moved(f"{url} changed since its ids were read")
+                found[value] = _clip(texts[row].as_py(), chars)
+                wanted.discard(value)
+        return found
+
+    def _text_group(self, url: str, group: int) -> tuple[pa.Array, pa.Array]:
+        """A row group's ids and texts, read together (cached)."""
         key = (url, group)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        pf = storage.parquet_file(url)
         with storage.explained(url, "read"):
-            texts = pf.read_row_group(group, columns=[self.text_column]).column(0)
-        self._cache[key] = plain_text(texts.combine_chunks())
+            pf = storage.parquet_file(url)
+            columns = [self.id_column, self.text_column]
+            gone = not set(columns) <= set(pf.schema_arrow.names)
+            if gone or group >= pf.metadata.num_row_groups:
+                raise _Moved(f"{url} changed since its ids were read")
+            table = pf.read_row_group(group, columns=columns)
+        ids, texts = (table.column(c).combine_chunks() for c in (self.id_column, self.text_column))
+        self._cache[key] = (ids, plain_text(texts))
         while len(self._cache) > self._cache_groups:
             self._cache.popitem(last=False)
         return self._cache[key]
+
+
+class _Moved(Exception):
+    """A row the id map placed is no longer there: the corpus changed since it was read."""
 
 
 def _kind(kind: pa.DataType) -> str:

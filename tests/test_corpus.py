@@ -89,6 +89,28 @@ def test_text_stored_dictionary_encoded_or_as_views_is_read_as_text(tmp_path, en
     assert snippets.texts([2, 4]) == {2: "green pears", 4: "red apples"}
 
 
+def test_snippets_follow_a_corpus_rewritten_under_them_or_are_left_out(tmp_path):
+    """A server's snippet store read the corpus's ids once; a nightly rewrite (rows reordered,
+    some gone) before the next run made it show another row's text, or fail the search."""
+    path = tmp_path / "c.parquet"
+    ids = list(range(40))
+    pq.write_table(pa.table({"id": ids, "text": [f"text {i}" for i in ids]}), path,
+                   row_group_size=4)
+    snippets = SnippetStore(str(path), cache_groups=2)
+    assert snippets.check(pa.array(ids)) is None
+    assert snippets.texts([1, 38]) == {1: "text 1", 38: "text 38"}
+    kept = ids[:9:-1]  # reordered, rows 0-9 gone
+    pq.write_table(pa.table({"id": kept, "text": [f"new {i}" for i in kept]}), path,
+                   row_group_size=3)
+    assert snippets.texts([1, 38, 12]) == {38: "new 38", 12: "new 12"}
+    assert snippets.problem is None
+    path.rename(tmp_path / "moved.parquet")
+    assert snippets.texts([12, 20]) == {}  # the hits are served all the same, without texts
+    assert snippets.problem.startswith(f"no snippets from {path}: ")
+    (tmp_path / "moved.parquet").rename(path)
+    assert snippets.texts([20]) == {20: "new 20"} and snippets.problem is None
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.text(max_size=200), st.text(max_size=200))
 def test_text_hash_is_stable_and_separates_texts(a, b):

@@ -61,6 +61,39 @@ def test_query_cli_prints_rank_score_id_snippet_and_json(indexed, capsys):
     assert payload["results"][0]["id"] == 105 and payload["results"][0]["snippet"] == TEXTS[5]
 
 
+def test_query_takes_options_between_out_and_its_words(indexed, capsys):
+    words = TEXTS[5].split()
+    assert main(["query", str(indexed), "--set", "mean", *words[:2], "-k", "1",
+                 *words[2:]]) == 0
+    rank, _, doc_id, *snippet = capsys.readouterr().out.split()
+    assert (rank, doc_id, " ".join(snippet)) == ("1", "105", TEXTS[5])
+    with pytest.raises(SystemExit) as refused:  # an unknown option is still refused
+        main(["query", str(indexed), "--set", "mean", "--bogus", "word"])
+    assert refused.value.code == 2
+    assert "unrecognized arguments: --bogus word" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("queries, reason", [
+    (["caf\udce9"], r"query 0 is not valid text at character 3"),  # a Latin-1 argv byte
+    (["ok", "\ud800"], r"query 1 is not valid text"),
+    ([None], r"query 0 is NoneType, not text"),
+    ([["nested"]], r"query 0 is list, not text"),
+    (["  "], r"query 0 is empty or whitespace"),
+])
+def test_queries_that_are_not_text_are_one_line_before_the_model_loads(tmp_path, queries,
+                                                                       reason, capsys):
+    import embedpipe
+
+    missing = str(tmp_path / "no-such-out")  # refused before OUT is even read
+    with pytest.raises(ConfigError, match=reason):
+        embedpipe.search(missing, queries)
+    if isinstance(queries[-1], str) and queries[-1].strip():
+        assert main(["query", missing, queries[-1]]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("embedpipe query: error: query 0 is not valid text")
+        assert len(err.splitlines()) == 1
+
+
 def test_query_on_a_set_without_an_index_says_how_to_build_one(tmp_path, tiny_model_dir,
                                                                capsys):
     out = embedded_set(tmp_path, tiny_model_dir, name="cls_set", strategy="cls")

@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from typing import NoReturn
 
 from flows.runtime import prepare
@@ -31,6 +32,19 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """As argparse, but a command whose last positional takes words to the end
+        (``trailing``: the dest) takes them between its options too (``query OUT --set NAME
+        some words``): argparse alone gives its positionals the first run of words only."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        trailing = getattr(parsed, "trailing", None)
+        if extra and trailing and not any(word.startswith("-") for word in extra):
+            getattr(parsed, trailing).extend(extra)
+        elif extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:

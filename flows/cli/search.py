@@ -33,10 +33,9 @@ def _index_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _query_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("query", help="search a set's index with text")
-    p.add_argument("out", metavar="OUT", nargs="?",
-                   help="output folder (not needed with --url)")
-    p.add_argument("text", metavar="TEXT", nargs="+",
-                   help="the query (several words are joined into one query)")
+    p.add_argument("words", metavar="[OUT] TEXT", nargs="+",
+                   help="the output folder (not with --url), then the query: its words are "
+                   "joined into one query, options may come between them")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--set", dest="set_name", metavar="NAME")
     p.add_argument("--url", help="ask a running `embedpipe serve` (http://host:port) instead; "
@@ -46,7 +45,7 @@ def _query_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=get_args(Device))
     p.add_argument("--json", action="store_true", help="print JSON")
     _trust_flag(p)
-    p.set_defaults(func=run_query)
+    p.set_defaults(func=run_query, trailing="words")
 
 
 def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -72,7 +71,8 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-alive", type=float, metavar="SECONDS",
                    help="idle keep-alive connections close after this (default 5)")
     p.add_argument("--body-timeout", type=float, metavar="SECONDS",
-                   help="a request body not received within this gets 408 (default 10)")
+                   help="a request body not received within this gets 408, a connection "
+                   "whose request headers are not is closed (default 10)")
     _trust_flag(p)
     p.set_defaults(func=run_serve)
 
@@ -118,28 +118,31 @@ def run_query(args: argparse.Namespace) -> int:
     from pipeline.ranking import check_k
 
     check_k(args.k)
-    if args.url is None and args.out is None:
-        raise ConfigError("give OUT, or --url of a running `embedpipe serve`")
-    words = [args.out, *args.text] if args.url and args.out else args.text  # no OUT with --url
+    words = list(args.words)
+    out = None if args.url else words.pop(0)
     text = " ".join(words)
     if not text.strip():
-        raise ConfigError("the query text is empty")
+        raise ConfigError("the query text is empty (give OUT, or --url of a running "
+                          "`embedpipe serve`, then the query)")
     if args.url:
         from pipeline.client import search_remote
 
         name, results = search_remote(args.url, [text], args.k, args.set_name)
         _print_hits(name, text, results[0], args.json)
         return 0
-    from pipeline.search import Searcher
+    from pipeline.search import Searcher, check_queries
 
-    searcher = Searcher(args.out, args.set_name, device=args.device, corpus=args.corpus,
+    check_queries([text])  # before the model loads (the server checks its own)
+    searcher = Searcher(out, args.set_name, device=args.device, corpus=args.corpus,
                         trust_remote_code=args.trust_remote_code)
     if searcher.snippet_note:
         print(f"note: {searcher.snippet_note}", file=sys.stderr)
     _print_hits(searcher.name, text, searcher.search([text], args.k)[0], args.json)
+    if searcher.snippets is not None and searcher.snippets.problem:
+        print(f"note: {searcher.snippets.problem}", file=sys.stderr)
     if searcher.stale:
         print(f"note: set {searcher.name!r} changed since it was indexed; run "
-              f"`embedpipe index {args.out} --set {searcher.name}`", file=sys.stderr)
+              f"`embedpipe index {out} --set {searcher.name}`", file=sys.stderr)
     return 0
 
 
