@@ -52,6 +52,9 @@ def _post(endpoint: str, body: dict) -> bytes:
     headers = {"Content-Type": "application/json"}
     key = os.environ.get(API_KEY_ENV)
     if key:
+        if not (key.isascii() and key.isprintable()):
+            raise ServerError(f"{API_KEY_ENV} holds characters an HTTP header cannot carry "
+                              "(printable ASCII only)")
         headers["Authorization"] = f"Bearer {key}"
     try:
         request = urllib.request.Request(endpoint, data=json.dumps(body).encode(),

@@ -22,6 +22,8 @@ def test_the_key_comes_from_a_file_or_the_environment(tmp_path):
     (None, {"EMBEDPIPE_API_KEY": "  "}, "EMBEDPIPE_API_KEY is empty"),
     ("EMPTY", {}, "is empty"),
     ("MISSING", {}, "cannot read the API key file"),
+    (None, {"EMBEDPIPE_API_KEY": "clé"}, "an HTTP header cannot carry"),
+    (None, {"EMBEDPIPE_API_KEY": "a\tb"}, "an HTTP header cannot carry"),
 ])
 def test_an_ambiguous_empty_or_unreadable_key_is_refused(tmp_path, flag, env, reason):
     (tmp_path / "KEYFILE").write_text("k")

@@ -71,3 +71,12 @@ def test_a_200_that_is_not_search_results_is_one_line_naming_the_url(body, conte
     assert line.startswith(f"embedpipe query: error: {base}/search answered, but not with "
                            "search results: ")
     assert repr(body[:20].decode())[1:-1] in line  # what came, quoted
+
+
+def test_a_key_no_header_can_carry_is_named_not_taken_for_an_unreachable_server(monkeypatch,
+                                                                                 capsys):
+    monkeypatch.setenv("EMBEDPIPE_API_KEY", "clé")
+    assert main(["query", "--url", "http://127.0.0.1:9", "hello"]) == 1
+    assert _one_line_error(capsys) == (
+        "embedpipe query: error: EMBEDPIPE_API_KEY holds characters an HTTP header cannot "
+        "carry (printable ASCII only)")

@@ -63,6 +63,9 @@ def api_key(key_file: str | None = None, env: Mapping[str, str] = os.environ) ->
         return None
     if not key:
         raise ConfigError(f"{where} is empty; give a key or unset it to serve without one")
+    if not (key.isascii() and key.isprintable()):  # no client could send it in a header
+        raise ConfigError(f"{where} holds characters an HTTP header cannot carry "
+                          "(printable ASCII only)")
     return key
 
 
