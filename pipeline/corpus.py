@@ -39,11 +39,15 @@ class CorpusInfo(BaseModel):
     rows: int
 
 
-def describe(url: str, id_column: str, text_column: str) -> CorpusInfo:
-    """Open every file's footer, check columns and id types; fail with one line if unusable."""
+def describe(url: str, id_column: str, text_column: str, out: str | None = None
+             ) -> CorpusInfo:
+    """Open every file's footer, check columns and id types; fail with one line if unusable
+    (or if ``out``, the run's OUT, lies inside the corpus: see ``_apart``)."""
     urls = storage.expand_parquet(url)
     root = _root_path(url)
-    layouts, id_types = [], {}
+    if out is not None:
+        _apart(url, urls, out)
+    layouts, id_types, unsigned = [], {}, []
     for file_url in urls:
         meta, schema = _footer(file_url)
         missing = [c for c in (id_column, text_column) if c not in schema.names]
@@ -53,6 +57,8 @@ def describe(url: str, id_column: str, text_column: str) -> CorpusInfo:
                 f"(its columns: {', '.join(schema.names)}); pass --id-column/--text-column"
             )
         id_types[file_url] = _id_type(schema.field(id_column).type, file_url, id_column)
+        if id_types[file_url] == pa.uint64() and not _signed_ids_fit(meta, id_column):
+            unsigned.append(file_url)
         groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
         layouts.append(
             FileLayout(
@@ -72,14 +78,20 @@ def describe(url: str, id_column: str, text_column: str) -> CorpusInfo:
     if rows == 0:
         raise CorpusError(f"corpus {url} is empty: {len(urls)} Parquet file(s), 0 rows")
     id_type = _common_type(set(id_types.values()), kinds)
+    if id_type == "int64" and unsigned:
+        raise CorpusError(
+            f"ids of {unsigned[0]} are uint64 beyond int64 (or unknown: no statistics), but "
+            "other files' ids are signed: no one integer type holds both; store them as one type"
+        )
     return CorpusInfo(url=url, files=tuple(layouts), id_type=id_type, rows=rows)
 
 
 def _group_content(group: pq.RowGroupMetaData, columns: tuple[str, str]) -> str:
     """What the footer says of the content of a row group's id and text columns: their
     compressed and plain sizes, and their statistics (min, max, nulls) where written. A file
-    rewritten in place with rows of the same sizes (other ids, texts of the same lengths)
-    almost always changes it; the per-row content hashes of ``--incremental`` are exact."""
+    rewritten in place usually changes it, but not always (a same-length edit that compresses
+    to the same size, two rows' texts swapped): the per-row content hashes of
+    ``--incremental`` are exact."""
     found = {}
     for j in range(group.num_columns):
         chunk = group.column(j)
@@ -101,6 +113,30 @@ def _footer(file_url: str) -> tuple[pq.FileMetaData, pa.Schema]:
         raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {_line(exc)}") from None
     except (OSError, pa.ArrowException) as exc:
         raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {_line(exc)}") from None
+
+
+def _signed_ids_fit(meta: pq.FileMetaData, id_column: str) -> bool:
+    """Whether the footer's statistics show every uint64 id of the file within int64."""
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        [stats] = [group.column(j).statistics for j in range(group.num_columns)
+                   if group.column(j).path_in_schema == id_column]
+        if stats is None or not stats.has_min_max or stats.max > (1 << 63) - 1:
+            return False
+    return True
+
+
+def _apart(url: str, urls: list[str], out: str) -> None:
+    """One line where OUT lies inside the corpus (a folder corpus holding it, or corpus files
+    under it): the run's own parts would be read as corpus the next time."""
+    glob = any(ch in url for ch in _GLOB)
+    folder = not glob and [storage.canonical(u) for u in urls] != [storage.canonical(url)]
+    within = [u for u in urls if storage.is_under(u, out)]
+    if within or (folder and storage.is_under(out, url)):
+        raise CorpusError(
+            f"OUT {out} lies inside the corpus {url}: its own parts would be read as corpus; "
+            "put OUT outside the corpus folder"
+        )
 
 
 def _common_type(types: set[pa.DataType], kinds: set[str]) -> str:
@@ -200,7 +236,8 @@ def find_duplicates(info: CorpusInfo, id_column: str, text_column: str) -> Dupli
         hits = [i for i, v in enumerate(values) if v is not None and _maybe_repeated(v, repeated)]
         if not hits:
             continue
-        texts = _texts(pf.read_row_group(group, columns=[text_column]).column(0))
+        texts = _texts(pf.read_row_group(group, columns=[text_column]).column(0)
+                       .combine_chunks())
         for i in hits:
             if values[i] in kept:
                 drop.setdefault(layout.name, []).append(start + i)

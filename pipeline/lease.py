@@ -402,16 +402,6 @@ _held_lock = threading.Lock()  # guards the two dicts, never held over IO
 _out_locks: dict[str, threading.Lock] = {}  # one per OUT: taking or freeing its lease
 
 
-def _key(out: str) -> str:
-    """One key per OUT however it is spelled: ``s3a://`` as ``s3://``, a local folder as its
-    real absolute path (``file://``, ``./`` and links resolved), no trailing slash."""
-    if storage.is_s3(out):
-        return "s3://" + out.split("://", 1)[1].strip("/")
-    if storage.is_remote(out):
-        return out.rstrip("/")
-    return os.path.realpath(out.removeprefix("file://"))
-
-
 def _out_lock(key: str) -> threading.Lock:
     with _held_lock:
         return _out_locks.setdefault(key, threading.Lock())
@@ -421,7 +411,7 @@ def _out_lock(key: str) -> threading.Lock:
 def writer_lease(out: str, command: str, wait: float = 0.0) -> Iterator[WriterLease]:
     """Hold OUT's writer lease for the block; re-entrant within this process. Waiting for one
     OUT's lease holds up no thread that takes or frees another OUT's."""
-    key = _key(out)
+    key = storage.canonical(out)
     with _out_lock(key):
         lease = _held.get(key)
         if lease is None:
@@ -441,7 +431,7 @@ def writer_lease(out: str, command: str, wait: float = 0.0) -> Iterator[WriterLe
 
 def check_held(out: str) -> None:
     """Raise ``LeaseLost`` if this process's lease on OUT was taken over (no-op if none held)."""
-    lease = _held.get(_key(out))
+    lease = _held.get(storage.canonical(out))
     if lease is not None:
         lease.check()
 

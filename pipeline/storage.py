@@ -69,6 +69,22 @@ def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
+def canonical(url: str) -> str:
+    """One spelling per place: ``s3a://`` as ``s3://``, a local path as its real absolute
+    path (``file://``, ``./`` and links resolved), no trailing slash."""
+    if is_s3(url):
+        return "s3://" + url.split("://", 1)[1].strip("/")
+    if is_remote(url):
+        return url.rstrip("/")
+    return os.path.realpath(url.removeprefix("file://"))
+
+
+def is_under(url: str, folder: str) -> bool:
+    """Whether ``url`` is ``folder`` or lies inside it, however either is spelled."""
+    path, base = canonical(url), canonical(folder)
+    return path == base or path.startswith(base + "/")
+
+
 def endpoint_url() -> str | None:
     """The S3 endpoint from the environment, or None for AWS itself."""
     for var in _ENDPOINT_VARS:

@@ -189,6 +189,44 @@ def test_unusable_corpora_fail_with_one_line(tmp_path):
         describe(str(tmp_path / "m"), "id", "text")
 
 
+@pytest.mark.parametrize("encoding", ["dictionary", "polars categorical"])
+def test_duplicates_are_found_in_a_dictionary_encoded_text_column(tmp_path, encoding):
+    """The texts of a group where an id repeats came as a ChunkedArray, which has no
+    ``dictionary_decode``: a traceback instead of the duplicate-id line or ``--dedupe``."""
+    path = str(tmp_path / "a.parquet")
+    TEXT_ENCODINGS[encoding](path, ["red", "green", "blue", "red"])
+    rewritten = pq.read_table(path).set_column(0, "id", pa.array([1, 2, 1, 3]))
+    pq.write_table(rewritten, path)
+    dupes = find_duplicates(describe(path, "id", "text"), "id", "text")
+    assert (dupes.drop, dupes.examples) == ({"a.parquet": [2]}, ["1"])
+
+
+def test_uint64_ids_beyond_int64_beside_signed_ids_are_refused_up_front(tmp_path):
+    write_corpus(tmp_path / "a.parquet", pa.array([1, 2**63 + 5], pa.uint64()), ["x", "y"])
+    write_corpus(tmp_path / "b.parquet", [3], ["z"])
+    with pytest.raises(CorpusError, match=r"a\.parquet are uint64 beyond int64 .* other "
+                                          r"files' ids are signed"):
+        describe(str(tmp_path), "id", "text")
+    write_corpus(tmp_path / "a.parquet", pa.array([1, 2**62], pa.uint64()), ["x", "y"])
+    assert describe(str(tmp_path), "id", "text").id_type == "int64"  # they fit: widened
+
+
+@pytest.mark.parametrize("corpus, out", [
+    ("c", "c/out"),  # a folder corpus holding OUT: refused on the first run
+    ("c/**/*.parquet", "c/out"),  # a glob reaching into OUT: once OUT holds parts
+    ("c/out/../", "c/./out"),  # however either is spelled
+])
+def test_an_out_inside_the_corpus_is_refused(tmp_path, corpus, out):
+    write_corpus(tmp_path / "c" / "a.parquet", [1], ["x"])
+    write_corpus(tmp_path / "c" / "out" / "sets" / "mean" / "part-0.parquet", [2], ["y"])
+    with pytest.raises(CorpusError, match=r"lies inside the corpus .*: its own parts would be "
+                                          r"read as corpus"):
+        describe(str(tmp_path / corpus), "id", "text", out=str(tmp_path / out))
+    (tmp_path / "c" / "out" / "sets" / "mean" / "part-0.parquet").unlink()
+    assert describe(str(tmp_path / "c" / "a.parquet"), "id", "text",
+                    out=str(tmp_path / "c" / "out")).rows == 1  # one file: nothing else read
+
+
 def test_truncated_file_is_named(tmp_path):
     path = write_corpus(tmp_path / "a.parquet", list(range(50)), [text_for(i) for i in range(50)])
     data = path.read_bytes()
