@@ -21,12 +21,13 @@ Importing this module is cheap: torch, FAISS and Prefect load inside the functio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import EmbedpipeError
+from pipeline.errors import ConfigError, EmbedpipeError
 
 if TYPE_CHECKING:
     import polars as pl
@@ -53,7 +54,8 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
     _installation()
     from pipeline.assembly import build_job, check_input, job_params
 
-    job = build_job(corpus, out, config=config, poolers=poolers, **options)
+    job = build_job(_path(corpus, "corpus"), _path(out, "out"), config=_path(config, "config"),
+                    poolers=_names(poolers, "poolers"), **options)
     check_input(job)
     if index:
         from flows.live import embed_and_index_flow
@@ -74,11 +76,12 @@ def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | Non
     """Add pooler sets to an ``out`` that has sets; without ``model``, their encoder is used."""
     _installation()
     from pipeline.assembly import build_job, check_input, job_params
-    from pipeline.errors import ConfigError
 
+    poolers = _names(poolers, "poolers")
     if not poolers:
         raise ConfigError("backfill needs at least one pooler to add")
-    job = build_job(corpus, out, config=config, poolers=poolers, **options)
+    job = build_job(_path(corpus, "corpus"), _path(out, "out"), config=_path(config, "config"),
+                    poolers=poolers, **options)
     check_input(job)
     from flows.embed import backfill_flow
 
@@ -98,7 +101,7 @@ def index(out: str, set_name: str | None = None, *, kind: str = "auto",
     from flows.index import index_flow
 
     with _orchestration():
-        results = index_flow(out, set_name, kind=kind, memory_budget=memory_budget,
+        results = index_flow(_path(out, "out"), set_name, kind=kind, memory_budget=memory_budget,
                              rebuild=rebuild, lease_wait=lease_wait, progress=progress)
     return [IndexResult.model_validate(r) for r in results]
 
@@ -111,10 +114,10 @@ def search(out: str, queries: str | Sequence[str], k: int = 10, *, set_name: str
     from pipeline.ranking import check_k
     from pipeline.search import Searcher, check_queries
 
-    texts = check_queries([queries] if isinstance(queries, str) else list(queries))
+    texts = check_queries(_names(queries, "queries", "texts", optional=False))
     check_k(k)
-    searcher = Searcher(out, set_name, device=device, trust_remote_code=trust_remote_code,
-                        snippets=snippets)
+    searcher = Searcher(_path(out, "out"), set_name, device=device,
+                        trust_remote_code=trust_remote_code, snippets=snippets)
     return searcher.search(texts, k, snippets=snippets)
 
 
@@ -130,7 +133,8 @@ def evaluate(out: str, queries: str, *, sets: Sequence[str] | None = None, k: in
     _installation()
     from pipeline.evaluate import evaluate_sets
 
-    return evaluate_sets(out, queries, sets=sets, k=k, exact=exact, ranks_out=ranks_out,
+    return evaluate_sets(_path(out, "out"), _path(queries, "queries"), sets=_names(sets, "sets"),
+                         k=k, exact=exact, ranks_out=_path(ranks_out, "ranks_out"),
                          device=device, trust_remote_code=trust_remote_code)
 
 
@@ -139,7 +143,31 @@ def read_set(out: str, name: str) -> pl.LazyFrame:
     _installation()
     from pipeline.sets import scan_set
 
-    return scan_set(out, name)
+    return scan_set(_path(out, "out"), name)
+
+
+def _path(value: object, name: str) -> Any:
+    """A path argument as the library takes it: a str (a local path or a URL) from a str or a
+    ``pathlib.Path``; None stays None (an optional one: required ones are refused)."""
+    if value is None and name in ("config", "ranks_out"):
+        return None
+    if isinstance(value, str | os.PathLike):
+        return os.fspath(value)
+    raise ConfigError(f"{name} must be a path or URL (str or pathlib.Path), not "
+                      f"{type(value).__name__}")
+
+
+def _names(value: object, name: str, what: str = "names", optional: bool = True
+           ) -> list | None:
+    """A str as one name (not its characters), any other iterable (a list, a polars Series)
+    as a list, None as None where ``optional``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Iterable) and not isinstance(value, bytes | Mapping):
+        return list(value)
+    raise ConfigError(f"{name} must be a str or a list of {what}, not {type(value).__name__}")
 
 
 def _installation() -> None:
@@ -152,6 +180,8 @@ def _installation() -> None:
 
     spin_briefly()
     load_settings().export_env()
+    # the Prefect API this process starts cannot reach the internet to send its telemetry
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def _load_model_while_the_api_starts(params: dict) -> None:

@@ -75,8 +75,16 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
     job |= {k: chosen[k] for k in JOB_OPTIONS if k in chosen}
     names = list(poolers or []) or list(defined)
     if names:  # none: EmbedJob picks the model's default set (`model` or `mean`)
-        job["poolers"] = [defined.get(n, {"name": n}) for n in names]
-    return parse(EmbedJob, job, f"embedding job{' (' + config + ')' if config else ''}")
+        job["poolers"] = [_absolute_head(defined.get(n, {"name": n})) for n in names]
+    return parse(EmbedJob, job, f"embedding job{f' ({config})' if config else ''}")
+
+
+def _absolute_head(pooler: dict) -> dict:
+    """A learned pooler's local head folder as an absolute path, as the corpus and model are:
+    the set's fingerprint takes the path it records, and `query`, `serve` and later runs read
+    the head from other folders."""
+    head = pooler.get("head")
+    return {**pooler, "head": _absolute(head)} if isinstance(head, str) else pooler
 
 
 def _absolute(path: str, folder_only: bool = False) -> str:
@@ -194,4 +202,4 @@ def check_input(job: EmbedJob) -> None:
     has the id and text columns. Run before a flow starts, so bad input fails in seconds."""
     from pipeline.corpus import describe
 
-    describe(job.corpus, job.id_column, job.text_column)
+    describe(job.corpus, job.id_column, job.text_column, job.out)

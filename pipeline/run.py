@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from pipeline import storage
-from pipeline.config import HEAD_JSON, HEAD_WEIGHTS, EmbedJob, stable_hash
+from pipeline.config import EmbedJob, stable_hash
 from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates
 from pipeline.errors import CorpusError
 from pipeline.job import SetWork, ShardRequest, ShardResult
@@ -125,11 +125,18 @@ def job_keys(job: EmbedJob) -> dict[str, str]:
             "encoder": encoder,
             "pooler": spec.model_dump(mode="json"),
             "model_files": files,
-            "head": [storage.sha256(storage.join(spec.head, name))
-                     for name in (HEAD_JSON, HEAD_WEIGHTS)] if spec.head else None,
+            "head": _head_files(spec.head) if spec.head else None,
         })
         for spec in job.poolers
     }
+
+
+def _head_files(folder: str) -> list[str]:
+    """A learned head's two files' digests, read checked (``heads.head_file_digests``; torch
+    is imported for learned sets only)."""
+    from pipeline.poolers.heads import head_file_digests
+
+    return head_file_digests(folder)
 
 
 def set_meta(embedder: Embedder, job: EmbedJob, name: str, id_type: str, key: str | None = None
@@ -168,7 +175,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
     shard whose marker matches its row-group signature and content digest (what the footer
     says of its id and text columns: sizes, statistics) is taken as done without reading it.
     """
-    corpus = describe(job.corpus, job.id_column, job.text_column)
+    corpus = describe(job.corpus, job.id_column, job.text_column, job.out)
     shards = plan_shards(corpus.files, job.rows_per_shard)
     duplicates = find_duplicates(corpus, job.id_column, job.text_column)
     if duplicates.rows and not job.dedupe:

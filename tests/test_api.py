@@ -186,6 +186,37 @@ def test_read_set_is_a_polars_frame_of_the_set(tmp_path, tiny_model_dir):
     assert sorted(frame["id"].to_list()) == list(range(100, 120))
 
 
+def test_paths_may_be_pathlib_and_names_a_single_str(tmp_path, tiny_model_dir):
+    """``read_set``, ``search`` and ``evaluate`` raised AttributeError on a ``Path``; a str
+    for ``sets`` was split into one-letter set names."""
+    out = embedded_set(tmp_path, tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    assert embedpipe.read_set(out, "mean").collect().height == 20
+    assert embedpipe.search(out, TEXTS[3], k=1)[0][0].id == 103
+    queries = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"query": TEXTS[:4], "doc_id": [100, 101, 102, 103]}), queries)
+    [scores] = embedpipe.evaluate(out, queries, sets="mean", ranks_out=tmp_path / "r.parquet")
+    assert (scores.set, scores.scores["recall@1"]) == ("mean", 1.0)
+    assert pq.read_table(tmp_path / "r.parquet").num_rows == 4
+
+
+@pytest.mark.parametrize("call, reason", [
+    (lambda t: embedpipe.embed(pl.DataFrame({"id": [1], "text": ["a"]}), str(t / "o")),
+     "corpus must be a path or URL (str or pathlib.Path), not DataFrame"),
+    (lambda t: embedpipe.embed(str(t / "c.parquet"), None),
+     "out must be a path or URL (str or pathlib.Path), not NoneType"),
+    (lambda t: embedpipe.search(str(t / "o"), None),
+     "queries must be a str or a list of texts, not NoneType"),
+    (lambda t: embedpipe.evaluate(str(t / "o"), str(t / "q.parquet"), sets=3),
+     "sets must be a str or a list of names, not int"),
+])
+def test_arguments_of_the_wrong_kind_are_one_line_naming_them(tmp_path, call, reason):
+    with pytest.raises(embedpipe.EmbedpipeError) as refused:
+        call(tmp_path)
+    assert str(refused.value) == reason
+    assert not (tmp_path / "None").exists()  # out=None made a folder named None
+
+
 # --- eval -k 5 against a hand computation ---------------------------------------------------
 
 def _hand_metrics(rank_lists: list[list[int | None]], k: int) -> dict[str, float]:

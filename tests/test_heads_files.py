@@ -172,6 +172,62 @@ def test_a_fifo_is_refused_not_waited_on(head_dir: Path, tmp_path: Path) -> None
     assert "head.json is not a regular file" in str(outcome[0])
 
 
+def _job_keys(folder: Path, model: Path) -> dict[str, str]:
+    from pipeline.config import EmbedJob
+    from pipeline.run import job_keys
+
+    spec = PoolerSpec(name="l", strategy="learned", head=str(folder))
+    return job_keys(EmbedJob(corpus="c.parquet", out="out",
+                             encoder=EncoderConfig(model=str(model)), poolers=[spec]))
+
+
+@pytest.mark.parametrize("make", ["device", "fifo"])
+def test_a_jobs_keys_read_the_head_files_as_loading_does(head_dir: Path, tmp_path: Path,
+                                                         tiny_model_dir: Path, make: str) -> None:
+    """Planning hashed the head's files before ``load_head`` checked them: a head.json linked
+    to /dev/zero, or a FIFO, hung `embed` for good."""
+    folder = copy_head(head_dir, tmp_path / "h")
+    (folder / "head.json").unlink()
+    if make == "device":
+        (folder / "head.json").symlink_to("/dev/zero")
+    else:
+        os.mkfifo(folder / "head.json")
+    outcome: list[BaseException] = []
+
+    def plan() -> None:
+        try:
+            _job_keys(folder, tiny_model_dir)
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    planner = threading.Thread(target=plan, daemon=True)
+    planner.start()
+    planner.join(timeout=60)  # a hang guard
+    if planner.is_alive() and make == "fifo":
+        os.close(os.open(folder / "head.json", os.O_WRONLY | os.O_NONBLOCK))
+    assert not planner.is_alive(), "planning read the head's file without bound"
+    assert isinstance(outcome[0], ConfigError)
+    assert "head.json is not a regular file" in str(outcome[0])
+    # a sound head: its files' whole digests, as the keys of sets made before took them
+    from pipeline import storage
+
+    assert heads.head_file_digests(str(head_dir)) == [
+        storage.sha256(str(head_dir / name)) for name in ("head.json", "head.safetensors")]
+    assert _job_keys(head_dir, tiny_model_dir)["l"]
+
+
+def test_a_head_with_weights_that_are_not_finite_is_refused(head_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """One flipped float (bit rot) made every vector of the set NaN, and every command
+    after it (index, eval, search) ran on as if nothing were wrong."""
+    folder = copy_head(head_dir, tmp_path / "h")
+    raw = bytearray((folder / "head.safetensors").read_bytes())
+    raw[-4:] = struct.pack("<f", float("nan"))
+    (folder / "head.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(ConfigError, match=r"holds weights that are not finite \(NaN or "):
+        load_head(str(folder))
+
+
 def test_a_link_out_of_the_head_folder_is_refused(head_dir: Path, tmp_path: Path) -> None:
     elsewhere = copy_head(head_dir, tmp_path / "elsewhere")
     folder = copy_head(head_dir, tmp_path / "h")

@@ -150,3 +150,10 @@ def test_a_job_records_local_corpus_and_model_paths_absolute(tmp_path: Path, tin
     named = build_job("s3://bucket/c/*.parquet", "out", model="sentence-transformers/x")
     assert (named.corpus, named.encoder.model) == ("s3://bucket/c/*.parquet",
                                                    "sentence-transformers/x")
+    config = tmp_path / "job.toml"  # a learned head's folder too: its path is in the fingerprint
+    config.write_text('[[poolers]]\nname = "l"\nstrategy = "learned"\nhead = "heads/att"\n'
+                      '[[poolers]]\nname = "s3l"\nstrategy = "learned"\n'
+                      'head = "s3://bucket/heads/att"\n')
+    learned = build_job("c.parquet", "out", config=config, poolers=["l", "s3l"])
+    assert [p.head for p in learned.poolers] == [str(tmp_path / "heads" / "att"),
+                                                 "s3://bucket/heads/att"]

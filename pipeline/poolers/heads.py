@@ -168,19 +168,33 @@ CONFIG_KEY = "head_config"  # the safetensors metadata key of ``config_digest``
 
 def read_head_config(folder: str) -> HeadConfig:
     """``head.json`` of ``folder``, validated; one ConfigError line when it is not one."""
+    return _head_config(folder)[0]
+
+
+def head_file_digests(folder: str) -> list[str]:
+    """The SHA-256 of ``head.json`` and ``head.safetensors`` (what a job's keys take), each
+    read as ``load_head`` reads it: a regular file inside the folder, no larger than its
+    checked ``head.json`` allows (a device, a FIFO or a huge file is one line, never read)."""
+    cfg, config_bytes = _head_config(folder)
+    weights, _ = _read_weights(storage.join(folder, HEAD_WEIGHTS), folder, expected_shapes(cfg))
+    return [hashlib.sha256(raw).hexdigest() for raw in (config_bytes, weights)]
+
+
+def _head_config(folder: str) -> tuple[HeadConfig, bytes]:
     url = storage.join(folder, HEAD_JSON)
     size = _checked_size(url, folder)
     if size > MAX_JSON_BYTES:
         raise ConfigError(f"pooling head {url} is larger than {MAX_JSON_BYTES:,} bytes")
+    data = _read_at_most(url, size)
     try:
-        raw = json.loads(_read_at_most(url, size))
+        raw = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"pooling head {url} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"pooling head {url} is not a JSON object")
     from pipeline.config import parse
 
-    return parse(HeadConfig, raw, f"pooling head {url}")
+    return parse(HeadConfig, raw, f"pooling head {url}"), data
 
 
 def load_head(folder: str,
@@ -201,6 +215,9 @@ def load_head(folder: str,
     except (RuntimeError, SafetensorError) as exc:
         first = str(exc).splitlines()[0]
         raise ConfigError(f"pooling head {folder} does not match its head.json: {first}") from None
+    if not all(bool(torch.isfinite(p).all()) for p in head.parameters()):
+        raise ConfigError(f"pooling head {folder}: {HEAD_WEIGHTS} holds weights that are not "
+                          "finite (NaN or infinity): it is damaged; restore it or train again")
     head.weights_sha256 = hashlib.sha256(weights).hexdigest()[:16]
     return head.eval()
 
