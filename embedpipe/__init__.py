@@ -32,6 +32,7 @@ from pipeline.errors import ConfigError, EmbedpipeError
 if TYPE_CHECKING:
     import polars as pl
 
+    from pipeline.config import EmbedJob
     from pipeline.evaluate import SetScores
     from pipeline.index import IndexResult
     from pipeline.search import Hit
@@ -52,11 +53,9 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
     summary; with ``index``, ``index`` holds each set's IndexResult as JSON).
     """
     _installation()
-    from pipeline.assembly import build_job, check_input, job_params
+    from pipeline.assembly import job_params
 
-    job = build_job(_path(corpus, "corpus"), _path(out, "out"), config=_path(config, "config"),
-                    poolers=_names(poolers, "poolers"), **options)
-    check_input(job)
+    job = _checked_job(corpus, out, config, _names(poolers, "poolers"), options)
     if index:
         from flows.live import embed_and_index_flow
 
@@ -75,14 +74,12 @@ def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | Non
              progress: bool = False, **options: Any) -> dict:
     """Add pooler sets to an ``out`` that has sets; without ``model``, their encoder is used."""
     _installation()
-    from pipeline.assembly import build_job, check_input, job_params
+    from pipeline.assembly import job_params
 
     poolers = _names(poolers, "poolers")
     if not poolers:
         raise ConfigError("backfill needs at least one pooler to add")
-    job = build_job(_path(corpus, "corpus"), _path(out, "out"), config=_path(config, "config"),
-                    poolers=poolers, **options)
-    check_input(job)
+    job = _checked_job(corpus, out, config, poolers, options)
     from flows.embed import backfill_flow
 
     with _orchestration():
@@ -134,7 +131,8 @@ def evaluate(out: str, queries: str, *, sets: Sequence[str] | None = None, k: in
     from pipeline.evaluate import evaluate_sets
 
     return evaluate_sets(_path(out, "out"), _path(queries, "queries"), sets=_names(sets, "sets"),
-                         k=k, exact=exact, ranks_out=_path(ranks_out, "ranks_out"),
+                         k=k, exact=exact,
+                         ranks_out=_path(ranks_out, "ranks_out", optional=True),
                          device=device, trust_remote_code=trust_remote_code)
 
 
@@ -146,10 +144,21 @@ def read_set(out: str, name: str) -> pl.LazyFrame:
     return scan_set(_path(out, "out"), name)
 
 
-def _path(value: object, name: str) -> Any:
+def _checked_job(corpus: object, out: object, config: object, poolers: list[str] | None,
+                 options: dict) -> EmbedJob:
+    """The job of an ``embed`` or ``backfill`` call, its input checked (no model, no Prefect)."""
+    from pipeline.assembly import build_job, check_input
+
+    job = build_job(_path(corpus, "corpus"), _path(out, "out"),
+                    config=_path(config, "config", optional=True), poolers=poolers, **options)
+    check_input(job)
+    return job
+
+
+def _path(value: object, name: str, optional: bool = False) -> Any:
     """A path argument as the library takes it: a str (a local path or a URL) from a str or a
-    ``pathlib.Path``; None stays None (an optional one: required ones are refused)."""
-    if value is None and name in ("config", "ranks_out"):
+    ``pathlib.Path``; None as None where ``optional``."""
+    if value is None and optional:
         return None
     if isinstance(value, str | os.PathLike):
         return os.fspath(value)
