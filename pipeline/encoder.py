@@ -392,8 +392,7 @@ class Encoder:
             if self._pool is None:
                 self._pool = TokenizerPool(self._ids.to_str(), self.tokenizer_workers)
             return self._pool.encode(texts)
-        return TokenRows.from_lists(
-            [e.ids for e in self._ids.encode_batch_fast(texts, add_special_tokens=False)])
+        return TokenRows.from_lists(self.tokenize(texts))
 
     def tokenize_for(self, texts: list[str], queries: np.ndarray) -> list[list[int]]:
         """Each text's ids behind the query prompt where ``queries`` is True, else the document

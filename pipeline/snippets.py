@@ -85,22 +85,22 @@ class SnippetStore:
 
         The corpus may change under a long-lived searcher (a nightly rewrite before the next
         run): each text is read beside its id, and where the id there is no longer the one
-        the id map placed there, or the group or file is gone, the ids are read again once.
-        Where that fails too, the ids get no snippet and ``problem`` says why: a search's
-        hits never depend on the corpus."""
+        the id map placed there, or the group or file is gone, the ids are read again once
+        (not where they were read by this call). Where that fails too, the ids get no snippet
+        and ``problem`` says why: a search's hits never depend on the corpus."""
         with self._lock:
-            try:
-                found = self._found(ids, chars)
-            except (_Moved, EmbedpipeError):
-                self._groups, self.problem = None, None
-                self._cache.clear()
+            tries = 1 if self._groups is None else 2  # ids read before may be stale: once more
+            for _ in range(tries):
                 try:
                     found = self._found(ids, chars)
                 except (_Moved, EmbedpipeError) as exc:
-                    self._groups, self.problem = None, f"no snippets from {self.corpus}: {exc}"
-                    return {}
-            self.problem = None
-            return found
+                    self._groups, problem = None, f"no snippets from {self.corpus}: {exc}"
+                    self._cache.clear()
+                    continue
+                self.problem = None
+                return found
+            self.problem = problem
+            return {}
 
     def _found(self, ids: list, chars: int) -> dict:
         if self._groups is None:
