@@ -153,7 +153,7 @@ def _line(exc: BaseException) -> str:
 
 
 def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
-    if pa.types.is_integer(dtype) or pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+    if pa.types.is_integer(dtype) or _is_text(dtype):
         return dtype
     raise CorpusError(
         f"id column {column!r} of {file_url} is {dtype}; ids must be integers or strings"
@@ -178,6 +178,20 @@ def _relative(file_url: str, root: str) -> str:
 
 def arrow_id_type(id_type: str) -> pa.DataType:
     return pa.type_for_alias(id_type)
+
+
+def id_type_holds(stored: str, corpus: str) -> bool:
+    """Whether every id of type ``corpus`` converts to ``stored`` and back unchanged: text to
+    text (``string`` and ``large_string`` alike), an integer to an integer type holding its
+    range (``int32`` to ``int64``, ``uint32`` to ``int64``; not ``int64`` to ``uint64``)."""
+    wide, narrow = arrow_id_type(stored), arrow_id_type(corpus)
+    if pa.types.is_integer(wide) and pa.types.is_integer(narrow):
+        return bool(np.can_cast(narrow.to_pandas_dtype(), wide.to_pandas_dtype(), "safe"))
+    return _is_text(wide) and _is_text(narrow)
+
+
+def _is_text(dtype: pa.DataType) -> bool:
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype)
 
 
 # ---- content hashes and id keys -------------------------------------------------------------

@@ -20,8 +20,8 @@ from pydantic import BaseModel
 
 from pipeline import storage
 from pipeline.config import EmbedJob, stable_hash
-from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates
-from pipeline.errors import CorpusError
+from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates, id_type_holds
+from pipeline.errors import CorpusError, FingerprintError
 from pipeline.job import SetWork, ShardRequest, ShardResult
 from pipeline.sets import (
     SetFolder,
@@ -183,7 +183,10 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
             f"duplicate ids in {job.corpus}: {duplicates.describe()}; "
             "pass --dedupe to keep the first row with a valid text of each id"
         )
-    metas = _claim(job, corpus.id_type, load_embedder)
+    keys = job_keys(job)
+    stored = _stored(job, keys)
+    id_type = _written_id_type(stored, corpus.id_type, job.out)
+    metas = _claim(job, keys, stored, id_type, load_embedder)
     generation = {name: meta.generation + 1 for name, meta in metas.items()}
     markers = {name: SetFolder(job.out, name).read_markers() for name in metas}
     quarantined = quarantined_shards(job.out) if job.quarantine else None
@@ -203,7 +206,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
                     job=job,
                     shard=shard,
                     signature=signature,
-                    id_type=corpus.id_type,
+                    id_type=id_type,
                     generation=generation,
                     sets=work,
                     drop_rows=drop,
@@ -219,15 +222,12 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
     )
 
 
-def _claim(job: EmbedJob, id_type: str, load_embedder: Callable[[], Any]
-           ) -> dict[str, SetMeta]:
+def _claim(job: EmbedJob, keys: dict[str, str], stored: dict[str, SetMeta | None],
+           id_type: str, load_embedder: Callable[[], Any]) -> dict[str, SetMeta]:
     """Each set's metadata, claimed for this job: from ``_SET.json`` alone when every set
-    was made by this very job before (same keys), else checked against the loaded model. Sets
-    of other corpus columns are refused first, by ``_made_by``, before any model loads."""
-    keys = job_keys(job)
-    stored = _made_by(job, keys, id_type)
-    if stored is not None:
-        return stored
+    was made by this very job before (same keys), else checked against the loaded model."""
+    if _made_by(stored, keys):
+        return {name: meta for name, meta in stored.items() if meta is not None}
     embedder = load_embedder()
     return {
         name: SetFolder(job.out, name).claim(set_meta(embedder, job, name, id_type, key))
@@ -238,22 +238,49 @@ def _claim(job: EmbedJob, id_type: str, load_embedder: Callable[[], Any]
 def needs_model(job: EmbedJob) -> bool:
     """Whether planning ``job`` will load the model: some set is new, or was made by another
     job (``_claim`` then checks fingerprints against the loaded model)."""
-    return _made_by(job, job_keys(job)) is None
+    keys = job_keys(job)
+    return not _made_by(_stored(job, keys), keys)
 
 
-def _made_by(job: EmbedJob, keys: dict[str, str], id_type: str | None = None
-             ) -> dict[str, SetMeta] | None:
-    """Every set's stored metadata where each was made by a job of these ``keys`` (and ids
-    of ``id_type``, when known), else None. A set made from other corpus columns is refused
-    (``SetMeta.check_columns``): the keys do not hold the columns."""
+def _stored(job: EmbedJob, keys: dict[str, str]) -> dict[str, SetMeta | None]:
+    """Each set's stored metadata (None for a new set). A set made from other corpus columns
+    is refused (``SetMeta.check_columns``) before any model loads: the keys do not hold the
+    columns."""
     stored = {name: SetFolder(job.out, name).read_meta() for name in keys}
     for meta in stored.values():
         if meta is not None:
             meta.check_columns(job.id_column, job.text_column, job.out)
-    if all(m is not None and m.job_key == keys[n] and id_type in (None, m.id_type)
-           for n, m in stored.items()):
-        return stored
-    return None
+    return stored
+
+
+def _made_by(stored: dict[str, SetMeta | None], keys: dict[str, str]) -> bool:
+    """Whether every set exists and was made by a job of these ``keys``."""
+    return all(m is not None and m.job_key == keys[n] for n, m in stored.items())
+
+
+def _written_id_type(stored: dict[str, SetMeta | None], corpus_type: str, out: str) -> str:
+    """The id type this run writes: the corpus's, or the existing sets' where theirs holds
+    every corpus id (a corpus rewritten by another tool: ``large_string`` for ``string``,
+    ``int64`` for ``int32``), so that a set's parts keep one id type."""
+    kept = {name: m.id_type for name, m in stored.items() if m is not None}
+    types = set(kept.values())
+    if not types:
+        return corpus_type
+    if len(types) > 1:
+        listed = ", ".join(f"{n}: {t}" for n, t in kept.items())
+        raise FingerprintError(
+            f"the sets in {out} store ids of different types ({listed}); embed them in "
+            "separate runs"
+        )
+    [written] = types
+    if not id_type_holds(written, corpus_type):
+        name = next(iter(kept))
+        raise FingerprintError(
+            f"set {name!r} in {out} stores {written} ids, the corpus has {corpus_type} ids, "
+            f"which {written} cannot hold; cast the corpus's id column to {written}, or use "
+            "another set name or OUT"
+        )
+    return written
 
 
 def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:

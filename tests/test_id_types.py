@@ -1,0 +1,93 @@
+"""A corpus rewritten by another tool may store its ids as another type of the same values
+(polars writes ``large_string`` where pandas wrote ``string``; ``int32`` becomes ``int64``): the
+sets go on in the type they store, as long as it holds every id; else one line says how."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _flowkit import job, read_set, run_library, same_vectors, text_for
+
+from pipeline.corpus import id_type_holds
+from pipeline.errors import FingerprintError
+from pipeline.index import open_index, read_meta
+from pipeline.index.build import IndexRequest, index_set
+from pipeline.sets import SetFolder
+
+
+def _ids(dtype: pa.DataType, rows: int) -> pa.Array:
+    """Ids 0.. of ``dtype``; as text, "doc-0".."""
+    text = pa.types.is_string(dtype) or pa.types.is_large_string(dtype)
+    return pa.array([f"doc-{i}" if text else i for i in range(rows)], dtype)
+
+
+def _write(path: Path, ids: pa.Array, rows: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    texts = pa.array([text_for(i) for i in range(rows)], pa.string())
+    pq.write_table(pa.table({"id": ids, "text": texts}), path, row_group_size=10)
+    return path
+
+
+def _part_types(out: Path, name: str = "mean") -> set[pa.DataType]:
+    parts = sorted((out / "sets" / name).glob("part-*.parquet"))
+    assert parts
+    return {pq.read_schema(p).field("id").type for p in parts}
+
+
+@pytest.mark.parametrize(("stored", "rewritten"), [
+    (pa.string(), pa.large_string()), (pa.large_string(), pa.string()),
+    (pa.int64(), pa.int32()), (pa.int64(), pa.uint32()),
+])
+def test_a_rewritten_corpus_goes_on_in_the_sets_id_type(
+        tmp_path: Path, tiny_model_dir: Path, stored: pa.DataType, rewritten: pa.DataType
+        ) -> None:
+    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
+    _write(corpus, _ids(stored, 30), 30)
+    run_library(job(corpus, out, tiny_model_dir))
+    _write(corpus, _ids(rewritten, 45), 45)  # rewritten, and grown
+
+    for incremental in (False, True):
+        summary = run_library(job(corpus, out, tiny_model_dir), verify=incremental)
+        assert summary.rows == 45
+    assert _part_types(out) == {stored}
+    assert SetFolder(str(out), "mean").read_meta().id_type == str(stored)
+    fresh = tmp_path / "fresh"
+    run_library(job(corpus, fresh, tiny_model_dir))
+    assert same_vectors(read_set(out, "mean"), read_set(fresh, "mean"), atol=1e-5)
+
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    handle = open_index(str(out), read_meta(str(out), "mean"))
+    assert handle.idmap.ids.type == stored and len(handle.idmap.ids) == 45
+
+
+@pytest.mark.parametrize(("stored", "rewritten"), [
+    (pa.int32(), pa.int64()), (pa.uint64(), pa.int64()), (pa.int64(), pa.string()),
+])
+def test_a_corpus_whose_ids_the_set_cannot_hold_is_refused_before_writing(
+        tmp_path: Path, tiny_model_dir: Path, stored: pa.DataType, rewritten: pa.DataType
+        ) -> None:
+    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
+    _write(corpus, _ids(stored, 30), 30)
+    run_library(job(corpus, out, tiny_model_dir))
+    before = read_set(out, "mean")
+    _write(corpus, _ids(rewritten, 45), 45)
+
+    with pytest.raises(FingerprintError) as caught:
+        run_library(job(corpus, out, tiny_model_dir))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert (f"set 'mean' in {out} stores {stored} ids, the corpus has {rewritten} ids"
+            in message and f"cast the corpus's id column to {stored}" in message)
+    assert same_vectors(read_set(out, "mean"), before)
+
+
+def test_id_type_holds() -> None:
+    holds = [("string", "large_string"), ("large_string", "string"), ("int64", "int32"),
+             ("int64", "uint32"), ("uint64", "uint8"), ("int16", "int16")]
+    refused = [("int32", "int64"), ("uint64", "int64"), ("int64", "uint64"),
+               ("string", "int64"), ("int64", "string"), ("uint32", "int8")]
+    assert all(id_type_holds(a, b) for a, b in holds)
+    assert not any(id_type_holds(a, b) for a, b in refused)
