@@ -242,6 +242,37 @@ def test_one_group_cannot_be_split(tmp_path: Path, tiny_model_dir: Path) -> None
         train(config(str(path), tmp_path / "h", tiny_model_dir, kind="adapter"))
 
 
+@pytest.mark.parametrize(("layers", "problem"), [
+    ([-1, 2], "layers must be distinct, got \\[-1, 2\\]"),  # -1 is layer 2 of 2
+    ([5], "layers must be a non-empty list of layers -3..2 of a 2-layer encoder"),
+])
+def test_layers_that_do_not_fit_the_model_fail_before_encoding(
+        pairs_path: str, tmp_path: Path, tiny_model_dir: Path, layers: list[int], problem: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked as written by the options, the layers are checked against the model's depth
+    once it is known, before any text is encoded: one line, not a traceback after encoding."""
+    import pipeline.training.trainer as trainer
+
+    def no_encoding(*_args, **_kw):
+        raise AssertionError("encoded before checking the layers")
+
+    monkeypatch.setattr(trainer, "_cache_states", no_encoding)
+    with pytest.raises(ConfigError, match=f"--layers for .*: {problem}"):
+        train(config(pairs_path, tmp_path / "h", tiny_model_dir, kind="layer_weights",
+                     layers=layers))
+    assert not (tmp_path / "h").exists()
+
+
+def test_cli_layers_that_do_not_fit_the_model(pairs_path: str, tiny_model_dir: Path,
+                                              tmp_path: Path, capsys: pytest.CaptureFixture
+                                              ) -> None:
+    code = main(["train-pooler", pairs_path, str(tmp_path / "h"), "--kind", "layer_weights",
+                 "--model", str(tiny_model_dir), "--layers=-1,2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert "layers must be distinct, got [-1, 2]" in err[0]
+
+
 def test_missing_pairs_file(tmp_path: Path, tiny_model_dir: Path) -> None:
     with pytest.raises(StorageError, match="nope.parquet"):
         train(config(str(tmp_path / "nope.parquet"), tmp_path / "h", tiny_model_dir,

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 
 from pipeline import storage
-from pipeline.encoder import Encoder, EncoderInfo, resolve_layer
+from pipeline.encoder import Encoder, EncoderInfo
 from pipeline.errors import ConfigError, CorpusError
 from pipeline.poolers.heads import HeadConfig, PoolingHead, save_head
 from pipeline.training.cache import StateCache, build_cache, row_bytes, row_lengths
@@ -61,13 +62,14 @@ def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
     train_rows, val_rows = _choose_rows(pairs, cfg)
     encoder = Encoder(cfg.encoder)
     info = encoder.info()
-    layers = tuple(resolve_layer(i, info.num_layers) for i in cfg.head_layers(info.num_layers))
+    head_cfg = head_config(cfg, info)  # layers checked against this model before encoding
+    layers = head_cfg.resolved_layers
     started = time.perf_counter()
     train_split, val_split = _cache_states(encoder, pairs, train_rows, val_rows, layers, cfg,
                                            log)
     encode_s = time.perf_counter() - started
     del encoder
-    head = PoolingHead(head_config(cfg, info))
+    head = PoolingHead(head_cfg)
     history, best_epoch, best_state = _fit(head, train_split, val_split, cfg, log)
     head.load_state_dict(best_state)
     metrics = _summary(history, best_epoch, cfg, len(train_split), len(val_split), pairs.skipped)
@@ -94,11 +96,17 @@ def _cache_record(train_cache: StateCache, val_cache: StateCache, encode_s: floa
 
 
 def head_config(cfg: TrainConfig, info: EncoderInfo) -> HeadConfig:
-    return HeadConfig(
-        kind=cfg.kind, hidden_size=info.hidden_size, num_layers=info.num_layers,
-        model_hash=info.model_hash, layers=cfg.head_layers(info.num_layers),
-        max_positions=info.max_length, adapter=cfg.adapter, out_dim=cfg.out_dim,
-    )
+    """The head ``cfg`` trains on this encoder; one line where its layers do not fit it
+    (out of range, or one layer named twice: ``-1`` and ``L`` alike)."""
+    try:
+        return HeadConfig(
+            kind=cfg.kind, hidden_size=info.hidden_size, num_layers=info.num_layers,
+            model_hash=info.model_hash, layers=cfg.head_layers(info.num_layers),
+            max_positions=info.max_length, adapter=cfg.adapter, out_dim=cfg.out_dim,
+        )
+    except ValidationError as exc:
+        problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"--layers for {info.model}: {problem}") from None
 
 
 def _choose_rows(pairs: Pairs, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
