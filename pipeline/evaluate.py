@@ -17,6 +17,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from pipeline import ranking, storage
+from pipeline.corpus import arrow_id_type
 from pipeline.errors import CorpusError, StorageError
 from pipeline.sets import SetFolder, SetMeta
 
@@ -31,6 +32,7 @@ class SetScores(BaseModel):
     search: str  # "exact" (over the set's vectors) or "index" (its published FAISS index)
     scores: dict[str, float]
     unlabelled: int = 0  # rows of the queries file without a query or a doc_id: not scored
+    absent: int = 0  # labelled (query, doc_id) pairs whose doc_id the set lacks: misses
 
 
 def load_queries(url: str) -> tuple[pl.DataFrame, int]:
@@ -99,16 +101,16 @@ def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
     info = SetFolder(out, name).meta()
     use_exact = choose_exact(out, name, exact)
     queries = relevant["query"].unique(maintain_order=True).to_list()
-    found = (_exact_found(out, info, queries, k, load) if use_exact
-             else _index_found(out, name, queries, k, load))
+    found, ids = (_exact_found(out, info, queries, k, load) if use_exact
+                  else _index_found(out, name, queries, k, load))
     wanted = relevant.rename({"doc_id": "doc"}).with_columns(
-        doc=pl.from_arrow(_as_type(relevant["doc_id"].to_arrow(), found["doc"].to_arrow().type))
-    )
+        doc=pl.from_arrow(_as_type(relevant["doc_id"].to_arrow(), ids.type)))
+    absent = wanted.join(pl.DataFrame({"doc": pl.from_arrow(ids)}), on="doc", how="anti")
     ranks = ranking.ranks_of(found, wanted)
     per_query = ranking.per_query(ranks, k)
     search = "exact" if use_exact else "index"
     scores = SetScores(set=name, queries=len(queries), k=k, search=search,
-                       scores=ranking.mean_scores(per_query, k))
+                       scores=ranking.mean_scores(per_query, k), absent=absent.height)
     rows = ranks.rename({"doc": "doc_id"}).with_columns(  # doc_id typed as the set's ids
         set=pl.lit(name), search=pl.lit(search), k=pl.lit(k, pl.Int32))
     return scores, rows.select("set", "search", "k", "query", "doc_id", "rank")
@@ -133,8 +135,9 @@ def choose_exact(out: str, name: str, exact: bool | None) -> bool:
 
 
 def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,
-                 load: dict) -> pl.DataFrame:
-    """(query, doc, rank) of exact top-k search over every vector of the set."""
+                 load: dict) -> tuple[pl.DataFrame, pa.Array]:
+    """(query, doc, rank) of exact top-k search over every vector of the set, and the set's
+    ids."""
     from pipeline.index.exact import ExactTopK
     from pipeline.index.plan import BATCH_ROWS
     from pipeline.index.setdata import SetVectors
@@ -151,18 +154,20 @@ def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,
         ids.append(batch_ids)
         offset += len(batch_vectors)
     positions = top.result()
-    docs = pl.from_arrow(pa.concat_arrays(ids) if ids else pa.array([], pa.int64()))
+    every_id = pa.concat_arrays(ids) if ids else pa.array([], arrow_id_type(info.id_type))
+    docs = pl.from_arrow(every_id)
     frame = pl.DataFrame({
         "query": np.repeat(np.asarray(queries, dtype=object), k).tolist(),
         "position": positions.reshape(-1),
         "rank": np.tile(np.arange(1, k + 1), len(queries)),
     }).filter(pl.col("position") >= 0)
-    return frame.with_columns(doc=docs.gather(frame["position"])).select("query", "doc", "rank")
+    found = frame.with_columns(doc=docs.gather(frame["position"])).select("query", "doc", "rank")
+    return found, every_id
 
 
 def _index_found(out: str, name: str, queries: list[str], k: int,
-                 load: dict) -> pl.DataFrame:
-    """(query, doc, rank) of the set's published index."""
+                 load: dict) -> tuple[pl.DataFrame, pa.Array]:
+    """(query, doc, rank) of the set's published index, and the ids it holds."""
     from pipeline.search import Searcher
 
     searcher = Searcher(out, name, snippets=False, **load)
@@ -171,8 +176,8 @@ def _index_found(out: str, name: str, queries: list[str], k: int,
         hits = searcher.search(queries[start:start + SEARCH_BATCH], k, snippets=False)
         rankings += [[h.id for h in row] for row in hits]
     found = ranking.found_frame(rankings, queries)
-    id_type = searcher.handle.idmap.ids.type
-    return found.with_columns(doc=pl.from_arrow(_as_type(found["doc"].to_arrow(), id_type)))
+    ids = searcher.handle.idmap.ids
+    return found.with_columns(doc=pl.from_arrow(_as_type(found["doc"].to_arrow(), ids.type))), ids
 
 
 def _as_type(ids: pa.Array, id_type: pa.DataType) -> pa.Array:
@@ -201,9 +206,12 @@ def table(results: list[SetScores]) -> str:
             + "".join(f"{r.scores[m]:>{w}.4f}" for m, w in zip(metrics, widths, strict=True))
             for r in results]
     unlabelled = results[0].unlabelled if results else 0
-    note = ([f"({unlabelled} rows of the queries file without a query or a doc_id: not "
-             "scored)"] if unlabelled else [])
-    return "\n".join([head, *rows, *note])
+    notes = [f"({r.absent} labelled doc_id(s) not in set {r.set}: scored as misses; was the "
+             "queries file made for this corpus?)" for r in results if r.absent]
+    if unlabelled:
+        notes.append(f"({unlabelled} rows of the queries file without a query or a doc_id: "
+                     "not scored)")
+    return "\n".join([head, *rows, *notes])
 
 
 def plot(results: list[SetScores], path: str) -> None:

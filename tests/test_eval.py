@@ -166,3 +166,33 @@ def test_eval_scores_a_dictionary_encoded_queries_file(tmp_path, tiny_model_dir,
                  search]) == 0
     (result,) = json.loads(capsys.readouterr().out)
     assert result["queries"] == 6 and result["scores"]["recall@1"] == 1.0
+
+
+@pytest.mark.parametrize("search", ["--exact", "--no-exact"])
+def test_doc_ids_the_set_lacks_are_counted_as_misses_and_named(tmp_path, tiny_model_dir, capsys,
+                                                                search):
+    """A queries file made for another corpus (or another id scheme) scored 0 with nothing to
+    say why: the labelled pairs whose doc_id is not in the set are counted."""
+    out = embedded_set(tmp_path, tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": TEXTS[:4] + ["x", "y"],
+                             "doc_id": [100, 101, 102, 103, 10**9, 10**9 + 1]}), queries)
+    assert main(["eval", str(out), str(queries), "--set", "mean", "--json", search]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert (result["queries"], result["absent"]) == (6, 2)
+    assert result["scores"]["recall@1"] == pytest.approx(4 / 6)
+    assert main(["eval", str(out), str(queries), "--set", "mean", search]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == ("(2 labelled doc_id(s) not in set mean: scored as misses; was the "
+                         "queries file made for this corpus?)")
+
+
+def test_a_set_holding_every_labelled_doc_counts_none_absent(tmp_path, tiny_model_dir):
+    from pipeline.evaluate import evaluate_sets
+
+    out = embedded_set(tmp_path, tiny_model_dir)
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": TEXTS[:3], "doc_id": [100, 101, 102]}), queries)
+    (scores,) = evaluate_sets(str(out), str(queries), ["mean"])
+    assert scores.absent == 0 and "not in set" not in table([scores])
