@@ -59,7 +59,7 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
     for key in EncoderConfig.model_fields:  # [encoder] keys may stand at the top level too
         if key in file:
             encoder[key] = file.pop(key)
-    defined = {p.get("name"): p for p in file.pop("poolers", [])}
+    defined = {p.get("name"): _read_options(p) for p in file.pop("poolers", [])}
     encoder |= {k: chosen[k] for k in ENCODER_OPTIONS if k in chosen}
     window = {field: chosen[k] for k, field in WINDOW_OPTIONS.items() if k in chosen}
     if window:
@@ -77,6 +77,26 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
     if names:  # none: EmbedJob picks the model's default set (`model` or `mean`)
         job["poolers"] = [_absolute_head(defined.get(n, {"name": n})) for n in names]
     return parse(EmbedJob, job, f"embedding job{f' ({config})' if config else ''}")
+
+
+LAYER_OPTIONS = ("layers", "layer_combine", "layer_weights")
+
+
+def _read_options(pooler: dict) -> dict:
+    """``pooler`` as written in a config file, refused where it gives an option its strategy
+    never reads (the set would carry it in its fingerprint, and its key a head's files, for
+    nothing): a learned head reads the layers it was trained on, only it reads a head."""
+    if not isinstance(pooler, dict):
+        return pooler  # EmbedJob says what is wrong with it
+    name, strategy = pooler.get("name"), pooler.get("strategy") or pooler.get("name")
+    unread = ([k for k in LAYER_OPTIONS if k in pooler] if strategy == "learned"
+              else ["head"] if "head" in pooler else [])
+    if unread:
+        why = ("reads the layers its head was trained on (head.json)" if strategy == "learned"
+               else "does not read a head: only strategy 'learned' does")
+        raise ConfigError(f"pooler {name!r}: strategy {strategy!r} {why}; remove "
+                          f"{', '.join(unread)}")
+    return pooler
 
 
 def _absolute_head(pooler: dict) -> dict:

@@ -81,3 +81,41 @@ def test_a_positional_head_as_wide_as_the_rows_runs_whatever_the_batch_mates(
     with pytest.raises(ConfigError, match=r"rows here take up to 24 tokens \(window size 24\)"):
         Embedder(fp32(tiny_model_dir, window=WindowConfig(size=24, stride=8)),
                  [learned(positional_head)])
+
+
+@pytest.mark.parametrize(("pooler", "problem"), [
+    ('name = "tuned"\nstrategy = "learned"\nhead = "/heads/a"\nlayers = [-1, -2]',
+     "pooler 'tuned': strategy 'learned' reads the layers its head was trained on (head.json); "
+     "remove layers"),
+    ('name = "tuned"\nstrategy = "learned"\nhead = "/heads/a"\nlayer_combine = "max"\n'
+     'layer_weights = [1.0]',
+     "pooler 'tuned': strategy 'learned' reads the layers its head was trained on (head.json); "
+     "remove layer_combine, layer_weights"),
+    ('name = "mean"\nhead = "/heads/a"',
+     "pooler 'mean': strategy 'mean' does not read a head: only strategy 'learned' does; "
+     "remove head"),
+])
+def test_a_config_option_the_strategy_never_reads_is_refused(tmp_path: Path, pooler: str,
+                                                             problem: str) -> None:
+    """Accepted before, such an option did nothing but enter the set's fingerprint (and a head
+    named on `mean` had its files hashed into the job's key: a moved head, a new set)."""
+    from pipeline.assembly import build_job
+
+    config = tmp_path / "job.toml"
+    config.write_text(f"[[poolers]]\n{pooler}\n")
+    with pytest.raises(ConfigError) as err:
+        build_job("c.parquet", "out", config=str(config))
+    assert str(err.value) == problem
+
+
+def test_the_options_a_strategy_reads_are_taken(tmp_path: Path) -> None:
+    from pipeline.assembly import build_job
+
+    config = tmp_path / "job.toml"
+    config.write_text('[[poolers]]\nname = "deep"\nstrategy = "mean"\nlayers = [-1, -2]\n'
+                      'layer_combine = "max"\n[[poolers]]\nname = "tuned"\n'
+                      'strategy = "learned"\nhead = "/heads/a"\n')
+    job = build_job("c.parquet", "out", config=str(config))
+    deep, tuned = job.poolers
+    assert (deep.layers, deep.layer_combine) == ((-1, -2), "max")
+    assert (tuned.strategy, tuned.head) == ("learned", "/heads/a")

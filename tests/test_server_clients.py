@@ -3,6 +3,8 @@ huggingface_hub's InferenceClient, plain HTTP for keys and 422s, a Prometheus sc
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import numpy as np
 import polars as pl
@@ -131,6 +133,50 @@ def test_embedding_requests_out_of_bounds_get_4xx_with_a_reason(served, path, bo
     base, _, _ = served
     r = httpx.post(f"{base}{path}", json=body, headers=auth())
     assert r.status_code == status and reason in str(r.json()["detail"]), r.text
+
+
+@pytest.mark.parametrize(("path", "body", "loc", "reason"), [
+    ("/v1/embeddings", {"input": [""]}, ["body", "input", 0], "at least 1 character"),
+    ("/v1/embeddings", {"input": ["ok", "  "]}, ["body", "input", 1], "empty or whitespace"),
+    ("/v1/embeddings", {"input": ""}, ["body", "input", 0], "at least 1 character"),
+    ("/embed", {"inputs": ["ok", None]}, ["body", "inputs", 1], "valid string"),
+])
+def test_a_bad_text_gets_one_error_where_it_lies(served, path, body, loc, reason):
+    """``str | list[str]`` reported each alternative: two errors for one empty text, the first
+    saying the list "should be a valid string"."""
+    base, _, _ = served
+    r = httpx.post(f"{base}{path}", json=body, headers=auth())
+    assert r.status_code == 422, r.text
+    [error] = r.json()["detail"]
+    assert error["loc"] == loc and reason in error["msg"], error
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/embed", "/search"])
+@pytest.mark.parametrize(("content_type", "said"), [
+    ("text/plain", "not text/plain"),
+    ("application/x-www-form-urlencoded", "not application/x-www-form-urlencoded"),
+    (None, "and none was given"),
+])
+def test_a_body_not_sent_as_json_gets_415(served, path, content_type, said):
+    """FastAPI hands such a body to the model as bytes: 422 "valid dictionary" said nothing of
+    the header that was wrong. JSON types (``+json``, with parameters) parse."""
+    base, _, _ = served
+    field = {"/v1/embeddings": "input", "/embed": "inputs", "/search": "query"}[path]
+    body = json.dumps({field: TEXTS[0]}).encode()
+    with httpx.Client() as client:
+        def send(content_type: str | None) -> httpx.Response:
+            headers = auth() | ({"content-type": content_type} if content_type else {})
+            request = client.build_request("POST", f"{base}{path}", content=body,
+                                           headers=headers)
+            assert ("content-type" in request.headers) == (content_type is not None)
+            return client.send(request)
+
+        r = send(content_type)
+        assert r.status_code == 415, r.text
+        assert r.json()["detail"] == ("the request body must be JSON (Content-Type: "
+                                      f"application/json), {said}")
+        for fine in ("application/json; charset=utf-8", "application/vnd.api+json"):
+            assert send(fine).status_code == 200, fine
 
 
 def test_tei_truncate_false_embeds_texts_that_fit_and_true_truncates(served):

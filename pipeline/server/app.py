@@ -38,7 +38,6 @@ from pipeline.server.models import (
     SearchRequest,
     SearchResponse,
     TeiEmbedRequest,
-    as_list,
 )
 from pipeline.vectors import unit_rows
 
@@ -214,7 +213,7 @@ def _routes(app: FastAPI, config: ServerConfig, live: LiveSets, gate: Gate, defa
     @app.post("/v1/embeddings", response_model=EmbeddingsResponse,
               responses={413: {}, 429: {}, 503: {}, 404: {}, 422: {}})
     async def embeddings(req: EmbeddingsRequest) -> JSONResponse:
-        texts = _check_inputs(as_list(req.input), config)
+        texts = _check_inputs(req.input, config)
         s = _check_dimensions(searcher(req.model), req.dimensions)
         vectors, tokens = await gate.run(_embed, s, texts, req.dimensions, False, True)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
@@ -223,7 +222,7 @@ def _routes(app: FastAPI, config: ServerConfig, live: LiveSets, gate: Gate, defa
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def tei_embed(req: TeiEmbedRequest) -> JSONResponse:
-        texts = _check_inputs(as_list(req.inputs), config)
+        texts = _check_inputs(req.inputs, config)
         s = _check_dimensions(searcher(None), req.dimensions)
         vectors, _ = await gate.run(_embed, s, texts, req.dimensions, req.normalize,
                                     req.truncate is not False)

@@ -7,7 +7,7 @@
   when the whole body has not arrived within ``timeout_s`` (a slow client cannot hold a worker).
 - ``validation_problem``: FastAPI's 422 without the ``input`` it echoes by default (a megabyte
   of it, or a lone surrogate that cannot even be written as UTF-8): location, message and
-  type only, each clipped.
+  type only, each clipped; 415 for a body declared as another type than JSON.
 """
 
 from __future__ import annotations
@@ -97,6 +97,17 @@ class BodyLimit:
         await problem(413, reason)(scope, receive, send)
 
 
+def _json_body(content_type: str | None) -> bool:
+    """Whether a body of this Content-Type is JSON: a JSON media type (``application/json``,
+    ``application/problem+json``; parameters aside). FastAPI reads a body without one as
+    bytes (``strict_content_type``)."""
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                            and media.endswith("+json"))
+
+
 def _safe(value: object) -> str | int:
     """``value`` as JSON-safe text: lone surrogates escaped, at most MAX_ERROR_CHARS long."""
     if isinstance(value, int):
@@ -105,8 +116,15 @@ def _safe(value: object) -> str | int:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
 
 
-async def validation_problem(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def validation_problem(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
+    content_type = request.headers.get("content-type")
+    if not _json_body(content_type) and all(tuple(e.get("loc", ())) == ("body",) for e in errors):
+        # FastAPI hands a body of another declared type (or of none) over as bytes, and its
+        # 422 said "Input should be a valid dictionary": the type is what is wrong
+        given = f"not {_safe(content_type)}" if content_type else "and none was given"
+        return problem(415, "the request body must be JSON (Content-Type: application/json), "
+                            f"{given}")
     detail = [{"loc": [_safe(part) for part in e.get("loc", ())], "msg": _safe(e.get("msg", "")),
                "type": _safe(e.get("type", ""))} for e in errors[:MAX_ERRORS]]
     if len(errors) > MAX_ERRORS:

@@ -12,11 +12,11 @@ from typing import Annotated, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictInt,
     StringConstraints,
-    field_validator,
     model_validator,
 )
 
@@ -32,20 +32,20 @@ def _not_blank(text: str) -> str:
 
 
 Text = Annotated[str, StringConstraints(min_length=1), AfterValidator(_not_blank)]
-Texts = str | list[str]
 
 
-def as_list(texts: Texts) -> list[str]:
-    return [texts] if isinstance(texts, str) else list(texts)
-
-
-def _text_only(value: object) -> object:
-    """Token-id input (a list of ints, or of lists) is refused with a clear reason."""
+def _text_list(value: object) -> object:
+    """One text or a list of texts, as a list: a bad text then gets one error (where it
+    lies), not one per alternative of a ``str | list`` union. Token-id input (a list of ints,
+    or of lists) is refused with a clear reason."""
     if value == []:
         raise ValueError("no input: send a string or a non-empty list of strings")
     if isinstance(value, list) and any(isinstance(v, int | list) for v in value):
         raise ValueError("token-id input is not supported: send text (a string or strings)")
-    return value
+    return [value] if isinstance(value, str) else value
+
+
+TextList = Annotated[list[Text], BeforeValidator(_text_list)]  # "a" and ["a"] alike
 
 
 def _no_prompt(value: str | None) -> None:
@@ -86,13 +86,11 @@ class EmbeddingsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input: Text | list[Text]
+    input: TextList
     model: str | None = Field(default=None, min_length=1, max_length=64)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, gt=0)
     user: str | None = None
-
-    _text = field_validator("input", mode="before")(_text_only)
 
 
 class Embedding(BaseModel):
@@ -119,11 +117,9 @@ class TeiEmbedRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: Text | list[Text]
+    inputs: TextList
     normalize: bool = True
     truncate: bool | None = None
     truncation_direction: Literal["right", "Right"] | None = None
     prompt_name: Annotated[str | None, AfterValidator(_no_prompt)] = None
     dimensions: StrictInt | None = Field(default=None, gt=0)
-
-    _text = field_validator("inputs", mode="before")(_text_only)
