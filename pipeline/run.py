@@ -132,9 +132,9 @@ def job_keys(job: EmbedJob) -> dict[str, str]:
 
 
 def _head_files(folder: str) -> list[str]:
-    """A learned head's two files' digests, read checked (``heads.head_file_digests``; torch
-    is imported for learned sets only)."""
-    from pipeline.poolers.heads import head_file_digests
+    """A learned head's two files' digests, read checked (``head_files.head_file_digests``,
+    without torch: a rerun of a learned set with nothing to do imports none)."""
+    from pipeline.head_files import head_file_digests
 
     return head_file_digests(folder)
 

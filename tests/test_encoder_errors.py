@@ -10,8 +10,9 @@ import torch
 from pipeline.config import EncoderConfig, PoolerSpec, WindowConfig, parse
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError, ModelError
+from pipeline.head_files import HeadConfig
 from pipeline.models.loader import read_model_files
-from pipeline.poolers.heads import HeadConfig, PoolingHead, save_head
+from pipeline.poolers.heads import PoolingHead, save_head
 
 
 def tiny(folder: Path, **kw) -> EncoderConfig:

@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline import head_files
 from pipeline.config import EncoderConfig, PoolerSpec
 from pipeline.data import TextBatch
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError
+from pipeline.head_files import HeadConfig
 from pipeline.models.loader import read_model_files
 from pipeline.poolers import heads
-from pipeline.poolers.heads import HeadConfig, PoolingHead, load_head, save_head
+from pipeline.poolers.heads import PoolingHead, load_head, save_head
 
 TEXTS = ["pepper walnut in the garden", "a stone river", "short", "the copper lantern " * 3]
 
@@ -181,6 +183,29 @@ def _job_keys(folder: Path, model: Path) -> dict[str, str]:
                              encoder=EncoderConfig(model=str(model)), poolers=[spec]))
 
 
+def test_a_learned_sets_keys_are_computed_without_torch(head_dir: Path,
+                                                        tiny_model_dir: Path) -> None:
+    """A rerun with nothing to do plans from the sets' keys alone: for a learned set those
+    read the head's files, which imported torch (a second or more) before any shard was
+    looked at. The keys come out the same in a process that never imports it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from pipeline.config import EmbedJob, EncoderConfig, PoolerSpec\n"
+        "from pipeline.run import job_keys\n"
+        f"spec = PoolerSpec(name='l', strategy='learned', head={str(head_dir)!r})\n"
+        "keys = job_keys(EmbedJob(corpus='c.parquet', out='out', poolers=[spec],\n"
+        f"    encoder=EncoderConfig(model={str(tiny_model_dir)!r})))\n"
+        "print(json.dumps([keys, 'torch' in sys.modules]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    keys, torch_imported = json.loads(done.stdout)
+    assert keys == _job_keys(head_dir, tiny_model_dir) and not torch_imported
+
+
 @pytest.mark.parametrize("make", ["device", "fifo"])
 def test_a_jobs_keys_read_the_head_files_as_loading_does(head_dir: Path, tmp_path: Path,
                                                          tiny_model_dir: Path, make: str) -> None:
@@ -211,7 +236,7 @@ def test_a_jobs_keys_read_the_head_files_as_loading_does(head_dir: Path, tmp_pat
     # a sound head: its files' whole digests, as the keys of sets made before took them
     from pipeline import storage
 
-    assert heads.head_file_digests(str(head_dir)) == [
+    assert head_files.head_file_digests(str(head_dir)) == [
         storage.sha256(str(head_dir / name)) for name in ("head.json", "head.safetensors")]
     assert _job_keys(head_dir, tiny_model_dir)["l"]
 
@@ -254,8 +279,8 @@ def test_a_file_is_read_no_further_than_its_checked_size(tmp_path: Path) -> None
     big.write_bytes(b" " * 101)
     for stale in (100, 102):
         with pytest.raises(ConfigError, match=f"big.json changed while it was read \\({stale}"):
-            heads._read_at_most(str(big), stale)
-    assert heads._read_at_most(str(big), 101) == b" " * 101
+            head_files._read_at_most(str(big), stale)
+    assert head_files._read_at_most(str(big), 101) == b" " * 101
 
 
 def test_a_huge_head_json_shape_reads_no_more_than_the_file(head_dir: Path,

@@ -12,7 +12,8 @@ import pytest
 from pipeline.config import EncoderConfig, PoolerSpec, WindowConfig, parse
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError
-from pipeline.poolers.heads import HeadConfig, PoolingHead, save_head
+from pipeline.head_files import HeadConfig
+from pipeline.poolers.heads import PoolingHead, save_head
 
 
 def fp32(model: Path, **kw) -> EncoderConfig:

@@ -29,14 +29,9 @@ from safetensors.torch import save as save_safetensors
 from flows.cli import main
 from pipeline import storage
 from pipeline.errors import ConfigError, EmbedpipeError, ModelError, StorageError
+from pipeline.head_files import HeadConfig, expected_shapes
 from pipeline.index import IndexRequest, index_set, open_index, read_meta
-from pipeline.poolers.heads import (
-    HeadConfig,
-    PoolingHead,
-    expected_shapes,
-    load_head,
-    save_head,
-)
+from pipeline.poolers.heads import PoolingHead, load_head, save_head
 from pipeline.search import Searcher
 from pipeline.server import ServerConfig, create_app
 

@@ -7,9 +7,10 @@ import torch
 from pipeline.config import PoolerSpec
 from pipeline.encoder import EncoderInfo, TokenStates
 from pipeline.errors import ConfigError
+from pipeline.head_files import HeadConfig
 from pipeline.models.head import ModelParts
 from pipeline.poolers.base import Pooler, register
-from pipeline.poolers.heads import HeadConfig, load_head
+from pipeline.poolers.heads import load_head
 
 
 @register("learned")

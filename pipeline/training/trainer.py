@@ -23,7 +23,8 @@ from pydantic import ValidationError
 from pipeline import storage
 from pipeline.encoder import Encoder, EncoderInfo
 from pipeline.errors import ConfigError, CorpusError
-from pipeline.poolers.heads import HeadConfig, PoolingHead, save_head
+from pipeline.head_files import HeadConfig
+from pipeline.poolers.heads import PoolingHead, save_head
 from pipeline.training.cache import StateCache, build_cache, row_bytes, row_lengths
 from pipeline.training.config import TrainConfig
 from pipeline.training.metrics import retrieval_metrics
