@@ -23,6 +23,7 @@ from pipeline.settings import cache_root, write_cache
 
 MIN_COSINE = 0.9999
 MIN_SPEEDUP = 1.1  # a half dtype must be 10% faster on the model to be worth its rounding
+CHECK_VERSION = 2  # how the check times a dtype: checks cached by another way measure again
 CALIBRATION_TEXTS = [
     "A fast batch embedding pipeline for Parquet corpora.",
     "def main():\n    return 0",
@@ -85,7 +86,7 @@ def choose_dtype(dtype: str, device: torch.device, check: Callable[[str], DtypeC
 
 def cached_check(key: str, measure: Callable[[], DtypeCheck]) -> DtypeCheck:
     """``measure()``, or what it gave the last time for ``key`` (cached under cache_root)."""
-    path = cache_root() / f"dtype-{key}.json"
+    path = cache_root() / f"dtype-v{CHECK_VERSION}-{key}.json"
     try:
         return DtypeCheck(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):  # absent or unreadable: measure again
