@@ -31,6 +31,17 @@ def _write(path: Path, ids: pa.Array, rows: int) -> Path:
     return path
 
 
+def _embedded_then_rewritten(tmp_path: Path, model: Path, stored: pa.DataType,
+                             rewritten: pa.DataType) -> tuple[Path, Path]:
+    """A set made from 30 rows of ``stored`` ids, then its corpus rewritten with 45 rows of
+    ``rewritten`` ids: (corpus, OUT)."""
+    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
+    _write(corpus, _ids(stored, 30), 30)
+    run_library(job(corpus, out, model))
+    _write(corpus, _ids(rewritten, 45), 45)
+    return corpus, out
+
+
 def _part_types(out: Path, name: str = "mean") -> set[pa.DataType]:
     parts = sorted((out / "sets" / name).glob("part-*.parquet"))
     assert parts
@@ -44,10 +55,7 @@ def _part_types(out: Path, name: str = "mean") -> set[pa.DataType]:
 def test_a_rewritten_corpus_goes_on_in_the_sets_id_type(
         tmp_path: Path, tiny_model_dir: Path, stored: pa.DataType, rewritten: pa.DataType
         ) -> None:
-    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
-    _write(corpus, _ids(stored, 30), 30)
-    run_library(job(corpus, out, tiny_model_dir))
-    _write(corpus, _ids(rewritten, 45), 45)  # rewritten, and grown
+    corpus, out = _embedded_then_rewritten(tmp_path, tiny_model_dir, stored, rewritten)
 
     for incremental in (False, True):
         summary = run_library(job(corpus, out, tiny_model_dir), verify=incremental)
@@ -69,11 +77,8 @@ def test_a_rewritten_corpus_goes_on_in_the_sets_id_type(
 def test_a_corpus_whose_ids_the_set_cannot_hold_is_refused_before_writing(
         tmp_path: Path, tiny_model_dir: Path, stored: pa.DataType, rewritten: pa.DataType
         ) -> None:
-    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
-    _write(corpus, _ids(stored, 30), 30)
-    run_library(job(corpus, out, tiny_model_dir))
-    before = read_set(out, "mean")
-    _write(corpus, _ids(rewritten, 45), 45)
+    corpus, out = _embedded_then_rewritten(tmp_path, tiny_model_dir, stored, rewritten)
+    before = read_set(out, "mean")  # the 30 rows' vectors
 
     with pytest.raises(FingerprintError) as caught:
         run_library(job(corpus, out, tiny_model_dir))
