@@ -16,9 +16,16 @@ import urllib.request
 from pipeline.errors import EmbedpipeError
 from pipeline.search import Hit
 
-API_KEY_ENV = "EMBEDPIPE_API_KEY"
+API_KEY_ENV = "EMBEDPIPE_API_KEY"  # the key the client sends and the server takes
 TIMEOUT_S = 60.0
 EXCERPT_CHARS = 80  # of an answer that is not search results, quoted in the error
+
+
+def key_problem(key: str, where: str) -> str | None:
+    """Why ``key`` cannot be sent as ``Authorization: Bearer <key>`` (one line), else None."""
+    if key.isascii() and key.isprintable():
+        return None
+    return f"{where} holds characters an HTTP header cannot carry (printable ASCII only)"
 
 
 class ServerError(EmbedpipeError):
@@ -52,9 +59,9 @@ def _post(endpoint: str, body: dict) -> bytes:
     headers = {"Content-Type": "application/json"}
     key = os.environ.get(API_KEY_ENV)
     if key:
-        if not (key.isascii() and key.isprintable()):
-            raise ServerError(f"{API_KEY_ENV} holds characters an HTTP header cannot carry "
-                              "(printable ASCII only)")
+        problem = key_problem(key, API_KEY_ENV)
+        if problem:
+            raise ServerError(problem)
         headers["Authorization"] = f"Bearer {key}"
     try:
         request = urllib.request.Request(endpoint, data=json.dumps(body).encode(),

@@ -175,8 +175,8 @@ class Searcher:
         ``truncate`` False refuses a text longer than the model's rows (TEI's ``truncate``)."""
         with self.queries.lock:
             tokens = self.embedder.tokenize(list(texts))
-            long = np.flatnonzero(self.embedder.truncated(tokens))
-            if not truncate and len(long):
+            long = [] if truncate else np.flatnonzero(self.embedder.truncated(tokens))
+            if len(long):  # planned here only where asked: encode_tokens plans its own
                 raise TokenLimitError(
                     f"input {int(long[0])} is longer than {self.embedder.encoder.max_length} "
                     f"tokens, the most set {self.name!r} reads, and truncate is false"

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from pipeline.client import API_KEY_ENV, key_problem
 from pipeline.errors import ConfigError
 from pipeline.ranking import MAX_K
 
 MAX_QUERY_CHARS = 10_000
 MAX_BATCH = 256
-KEY_ENV = "EMBEDPIPE_API_KEY"
+KEY_ENV = API_KEY_ENV
 KEY_FILE_ENV = "EMBEDPIPE_API_KEY_FILE"
 
 
@@ -63,9 +64,9 @@ def api_key(key_file: str | None = None, env: Mapping[str, str] = os.environ) ->
         return None
     if not key:
         raise ConfigError(f"{where} is empty; give a key or unset it to serve without one")
-    if not (key.isascii() and key.isprintable()):  # no client could send it in a header
-        raise ConfigError(f"{where} holds characters an HTTP header cannot carry "
-                          "(printable ASCII only)")
+    problem = key_problem(key, where)  # no client could send it
+    if problem:
+        raise ConfigError(problem)
     return key
 
 
