@@ -253,6 +253,9 @@ def test_schedule_builds_a_cron_deployment(tmp_path, tiny_model_dir):
     with get_client(sync_client=True) as client:
         stored = client.read_deployment(deployment_id)
     assert stored.name == "test-nightly" and stored.schedules[0].schedule.cron == "0 2 * * *"
+    # one run at a time: a night's run due while the last still runs waits for it
+    assert stored.global_concurrency_limit.limit == 1
+    assert stored.concurrency_options.collision_strategy == "ENQUEUE"
     assert stored.parameters["job"]["corpus"] == str(tmp_path / "c")
     with pytest.raises(ConfigError, match="invalid schedule --cron 'every night'"):
         nightly_deployment(spec, "every night")
