@@ -126,8 +126,9 @@ def resolve_job(params: dict, keep_current: bool = True) -> EmbedJob:
     ``EMBEDPIPE_CONFIG``) fill what the job leaves out, and file-given values that other modules
     read from the environment are exported. ``keep_current`` (every run but a backfill, which
     names the sets it adds): a job naming no pooler works on OUT's sets
-    (``keep_sets_current``), decided on the job as given, before the settings fill it, so a
-    set's own encoder wins over an installation's default model, device or dtype."""
+    (``keep_sets_current``), decided on the job as given, before the settings fill it, so the
+    options that made a set's vectors win over an installation's default model; its device and
+    dtype apply."""
     from pipeline.settings import load_settings
 
     settings = load_settings()
@@ -139,8 +140,8 @@ def resolve_job(params: dict, keep_current: bool = True) -> EmbedJob:
 
 def keep_sets_current(job: EmbedJob) -> EmbedJob:
     """A job that names no pooler works on every set already in OUT: each with the pooler it
-    was made with and, naming no model, with the encoder that made them (options it does give,
-    such as the device, stay as given). So the nightly run keeps a set backfilled after it was
+    was made with and, naming no model, with the encoder options that made their vectors
+    (``_one_encoder``; options it does give stay as given). So the nightly run keeps a set backfilled after it was
     scheduled current too, a rerun resumes the sets it finds, and neither starts the model's
     default set beside them; an OUT without sets gets that default set.
 
@@ -178,10 +179,19 @@ def _stored_pooler(out: str, meta: SetMeta) -> dict:
     return spec.model_dump(mode="json")
 
 
+# the encoder options that make a set's vectors (its fingerprint covers them); the others
+# (device, a float dtype, batch limits, compile) are the machine's: the job's or the settings'
+VECTOR_OPTIONS = ("model", "max_length", "window", "prompt_name", "query_prompt_name")
+
+
 def _one_encoder(out: str, metas: Sequence[SetMeta], ask: str) -> dict:
-    """The encoder options that made every set of ``metas`` (``trust_remote_code`` is never
-    taken from a file, only from the job); sets whose vectors come from other model files,
-    lengths or windows have none: the error ends by asking for what picks one (``ask``)."""
+    """The encoder options that made the vectors of every set of ``metas``
+    (``VECTOR_OPTIONS``, and dtype int8 with its kernel: other weights); sets whose vectors
+    come from other model files, lengths or windows have none: the error ends by asking for
+    what picks one (``ask``). The device, a float dtype and the batch limits a set was made
+    with are left to this run (its flags, the installation's ``EMBEDPIPE_*``): a nightly run
+    on a GPU pool runs there though the first run was on a CPU. ``trust_remote_code`` is never
+    taken from a file, only from the job."""
     made = {}
     for meta in metas:
         made.setdefault((meta.model_hash, meta.max_length, str(meta.window)), []).append(meta)
@@ -190,7 +200,11 @@ def _one_encoder(out: str, metas: Sequence[SetMeta], ask: str) -> dict:
                            for group in made.values())
         raise ConfigError(f"the sets in {out} were made by different encoders ({groups}); "
                           f"{ask}")
-    return {k: v for k, v in metas[0].encoder.items() if k != "trust_remote_code"}
+    made_by = metas[0].encoder
+    kept = {k: made_by[k] for k in VECTOR_OPTIONS if k in made_by}
+    if made_by.get("dtype") == "int8":
+        kept |= {"dtype": "int8", "int8_kernel": made_by.get("int8_kernel", "auto")}
+    return kept
 
 
 def _encoder_words(meta: SetMeta) -> str:
@@ -201,9 +215,8 @@ def _encoder_words(meta: SetMeta) -> str:
 
 
 def inherit_encoder(job: dict) -> dict:
-    """A backfill job that names no model takes the encoder that made the sets already in OUT.
-
-    Encoder fields the job does set (device, dtype, ...) stay as given.
+    """A backfill job that names no model takes the encoder options that made the vectors of
+    the sets already in OUT (``_one_encoder``). Encoder fields the job does set stay as given.
     """
     spec = parse(EmbedJob, job, "backfill job")
     metas = _stored_sets(spec.out)

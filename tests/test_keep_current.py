@@ -80,11 +80,54 @@ def test_a_sets_own_encoder_wins_over_the_installations_settings(
     nightly = {k: v for k, v in made.items() if k not in ("poolers", "encoder")}
     spec = resolve_job(nightly)
     assert [p.name for p in spec.poolers] == ["cls"]
-    assert (spec.encoder.max_length, spec.encoder.dtype) == (16, "fp32")  # as the set was made
-    assert not needs_model(spec)  # the set's own job: nothing to check against the model
+    assert spec.encoder.max_length == 16  # what made the set's vectors, as it was made
+    assert needs_model(spec)  # another dtype than the set's job: checked against the model
+    run_library(spec.model_dump(mode="json"))
+    assert not needs_model(resolve_job(nightly))  # the set now carries this job's keys
     # and where OUT has no sets yet the settings still fill the job
     fresh = resolve_job(nightly | {"out": str(tmp_path / "fresh")})
     assert (fresh.encoder.model, fresh.encoder.dtype) == (str(tiny_model_dir), "auto")
+
+
+def test_a_nightly_run_takes_the_device_and_dtype_of_its_machine(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    """A set first made on a CPU in fp32, kept current by a worker whose settings say another
+    device and dtype (a GPU pool's EMBEDPIPE_DEVICE=cuda): the worker's apply, the options
+    that made the vectors (model, max length, windows, int8) stay the set's."""
+    corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
+    made = job(corpus, out, tiny_model_dir, poolers=[CLS])
+    made["encoder"] |= {"max_length": 16, "window": {"size": 8, "stride": 4},
+                        "token_budget": 512}
+    run_library(made)
+    monkeypatch.setenv("EMBEDPIPE_DEVICE", "cuda")
+    monkeypatch.setenv("EMBEDPIPE_DTYPE", "bf16")
+    spec = resolve_job({k: v for k, v in made.items() if k not in ("poolers", "encoder")})
+    assert (spec.encoder.device, spec.encoder.dtype, spec.encoder.token_budget) == (
+        "cuda", "bf16", None)
+    assert (spec.encoder.model, spec.encoder.max_length) == (str(tiny_model_dir), 16)
+    assert (spec.encoder.window.size, spec.encoder.window.stride) == (8, 4)
+    # a backfill naming no model takes the same options, and its own flags win
+    backfill = inherit_encoder({k: v for k, v in made.items() if k != "encoder"}
+                               | {"encoder": {"device": "cpu"}})
+    assert backfill["encoder"] == {"model": str(tiny_model_dir), "max_length": 16,
+                                   "window": {"size": 8, "stride": 4, "agg": "mean"},
+                                   "prompt_name": None, "query_prompt_name": None,
+                                   "device": "cpu"}
+
+
+def test_an_int8_sets_dtype_and_kernel_are_kept(tmp_path: Path, tiny_model_dir: Path,
+                                                monkeypatch) -> None:
+    from pipeline.assembly import _one_encoder
+    from pipeline.sets import SetFolder
+
+    corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
+    run_library(job(corpus, out, tiny_model_dir, poolers=[CLS]))
+    meta = SetFolder(str(out), "cls").meta()
+    int8 = meta.model_copy(update={"encoder": meta.encoder | {"dtype": "int8",
+                                                              "int8_kernel": "onednn"}})
+    kept = _one_encoder(str(out), [int8], "ask")
+    assert (kept["dtype"], kept["int8_kernel"]) == ("int8", "onednn")
+    assert "dtype" not in _one_encoder(str(out), [meta], "ask")  # fp32: the machine's
 
 
 def test_sets_of_different_encoders_are_asked_for_by_name(tmp_path: Path, tiny_model_dir: Path):
