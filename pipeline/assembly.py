@@ -141,9 +141,10 @@ def resolve_job(params: dict, keep_current: bool = True) -> EmbedJob:
 def keep_sets_current(job: EmbedJob) -> EmbedJob:
     """A job that names no pooler works on every set already in OUT: each with the pooler it
     was made with and, naming no model, with the encoder options that made their vectors
-    (``_one_encoder``; options it does give stay as given). So the nightly run keeps a set backfilled after it was
-    scheduled current too, a rerun resumes the sets it finds, and neither starts the model's
-    default set beside them; an OUT without sets gets that default set.
+    (``_one_encoder``; options it does give stay as given). So the nightly run keeps a set
+    backfilled after it was scheduled current too, a rerun resumes the sets it finds, and
+    neither starts the model's default set beside them; an OUT without sets gets that default
+    set.
 
     Sets are taken only where ``_SET.json`` alone says how to make them again: a learned set's
     head path is not taken from a file in OUT, and sets of different encoders cannot share

@@ -368,8 +368,11 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
 
 
 def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None:
-    """Shards no longer planned: record their ids as removed, then delete part and marker."""
-    for sid in [sid for sid in markers if sid not in planned]:
+    """Shards no longer planned: record their ids as removed, then delete part and marker.
+    A shard's part left without its marker by a run that died (``unmarked_shards``) goes too
+    once its shard id left the plan (the file grew, or went): else it stayed for good."""
+    gone = set(markers) | folder.unmarked_shards()
+    for sid in sorted(sid for sid in gone if sid not in planned):
         ids, _, _ = folder.read_hashes(sid)
         folder.record_removed(g, sid, ids.to_pylist())
         folder.remove_part(sid)

@@ -1,6 +1,6 @@
 """A pooler set on disk: ``OUT/sets/<set>/``, owned by one object, ``SetFolder``.
 
-Layout (the index reads only the first three)::
+Layout (readers take the parts whose shard has a marker, ``_SET.json`` and ``_changes``)::
 
     part-<shard>.parquet        id, embedding (fixed_size_list<float32>[dim])
     _SET.json                   SetMeta
@@ -12,7 +12,9 @@ Layout (the index reads only the first three)::
                                 that drops them, so a crash cannot lose a deletion
 
 A shard counts as done only through its marker, and the marker is written last, so a crash
-at any point leaves either a complete shard or one that the next run redoes.
+at any point leaves either a complete shard or one that the next run redoes; readers see the
+parts of done shards only, and a run retires a part left without its marker once its shard
+left the plan.
 
 Nothing read from the folder is trusted: the set name (argument and ``_SET.json``), shard ids
 (markers, ``_removed`` files) and part names (``_changes``) are validated by
@@ -265,13 +267,25 @@ class SetFolder:
         return self._at(part_name(shard))
 
     def part_urls(self) -> list[str]:
-        """URLs of the set's parts (``part-*.parquet``, plain names only), sorted."""
-        urls = []
-        for url in storage.list_files(self.url, ".parquet"):
-            name = url.rsplit("/", 1)[-1]
-            if name.startswith(PART_PREFIX):
-                urls.append(self.url_of(name))
-        return urls
+        """URLs of the set's done parts, sorted: those whose shard has a done marker. A part
+        written by a run that died before its marker is not the set's (a later run redoes or
+        retires it: ``unmarked_shards``), so no reader sees its rows twice."""
+        marked = self.marked_shards()
+        return [self.part_url(shard) for shard in sorted(self._written_shards()) if shard in marked]
+
+    def _written_shards(self) -> set[str]:
+        """Shard ids of the ``part-*.parquet`` files in the folder (plain names only)."""
+        names = (url.rsplit("/", 1)[-1] for url in storage.list_files(self.url, ".parquet"))
+        return {file_name(n[len(PART_PREFIX):-len(".parquet")], self.url)
+                for n in names if n.startswith(PART_PREFIX)}
+
+    def unmarked_shards(self) -> set[str]:
+        """Shards with a part or hashes but no done marker: left by a run that died between
+        them (or a marker that is not one, ``read_markers``)."""
+        hashed = (url.rsplit("/", 1)[-1][:-len(".parquet")]
+                  for url in storage.list_files(self._at("_hashes"), ".parquet"))
+        written = self._written_shards() | {file_name(h, self.url) for h in hashed}
+        return written - self.marked_shards()
 
     def scan(self) -> pl.LazyFrame:
         """The set's parts as one polars LazyFrame with columns ``id`` and ``embedding``."""
@@ -351,6 +365,11 @@ class SetFolder:
             file_name(marker.shard, url)
             markers[marker.shard] = marker
         return markers
+
+    def marked_shards(self) -> set[str]:
+        """Shard ids that have a done marker file, by name (one listing, no reads)."""
+        names = (url.rsplit("/", 1)[-1] for url in storage.list_files(self._at("_done"), ".json"))
+        return {file_name(n[:-len(".json")], self.url) for n in names}
 
     def remove_marker(self, shard: str) -> None:
         storage.remove(self._marker_url(shard))

@@ -1,6 +1,8 @@
 """Writing embedding sets for index tests, following the on-disk contract (COMMON.md).
 
-``OUT/sets/<set>/part-*.parquet`` (id, embedding), ``_SET.json`` and ``_changes/<g>.json``.
+``OUT/sets/<set>/part-*.parquet`` (id, embedding) each with its done marker
+(``_done/<shard>.json``: readers take marked parts only), ``_SET.json`` and
+``_changes/<g>.json``.
 Like ``SetFolder.claim``, ``write_set`` gives each set it makes a fresh ``token``. Vectors
 are synthetic: clustered (for recall of approximate kinds) or exactly known.
 """
@@ -58,6 +60,7 @@ def write_set(out: Path, name: str, ids, vectors: np.ndarray, parts: int = 3,
         part = f"part-{i:05d}.parquet"
         pq.write_table(part_table([ids[j] for j in chunk], vectors[chunk]), folder / part,
                        row_group_size=row_group)
+        write_marker(out, name, part, len(chunk), generation)
         names.append(part)
     write_meta(out, name, meta(name, vectors.shape[1], normalize, generation, **extra))
     if changes:
@@ -66,7 +69,20 @@ def write_set(out: Path, name: str, ids, vectors: np.ndarray, parts: int = 3,
 
 
 def write_part(out: Path, name: str, part: str, ids, vectors: np.ndarray) -> None:
-    pq.write_table(part_table(list(ids), vectors), out / "sets" / name / part)
+    """A done part: the part, then its marker."""
+    ids = list(ids)
+    pq.write_table(part_table(ids, vectors), out / "sets" / name / part)
+    write_marker(out, name, part, len(ids))
+
+
+def write_marker(out: Path, name: str, part: str, rows: int, generation: int = 1) -> None:
+    """``part``'s done marker (a ``pipeline.sets.ShardMarker``)."""
+    shard = part.removeprefix("part-").removesuffix(".parquet")
+    folder = out / "sets" / name / "_done"
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = {"shard": shard, "file": "synthetic.parquet", "first_group": 0, "end_group": 1,
+              "signature": "synthetic", "rows": rows, "generation": generation}
+    (folder / f"{shard}.json").write_text(json.dumps(marker))
 
 
 def write_meta(out: Path, name: str, payload: dict) -> None:

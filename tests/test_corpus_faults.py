@@ -20,7 +20,7 @@ import pytest
 from _flowkit import job, read_set, run_library, text_for, tree_digest, write_corpus
 
 from pipeline.errors import CorpusError, FingerprintError
-from pipeline.sets import SetFolder
+from pipeline.sets import SetFolder, scan_set
 
 
 def test_bad_rows_are_skipped_counted_and_quarantined(tmp_path, tiny_model_dir):
@@ -213,3 +213,33 @@ def test_process_killed_mid_shard_then_rerun_gives_every_row_once(tmp_path, tiny
     assert all(np.array_equal(got[i], ref[i]) for i in range(n))
     changes = json.loads((set_dir / "_changes" / "000001.json").read_text())
     assert len(changes["parts"]) == 5 and changes["deleted_ids"] == []
+
+
+@pytest.mark.parametrize("then", ["grows", "goes"])
+def test_a_part_left_without_its_marker_goes_once_its_shard_leaves_the_plan(
+        tmp_path, tiny_model_dir, monkeypatch, then):
+    """A run dies between a shard's part and its marker, then that shard leaves the plan: rows
+    are appended to its file (its last shard gets another id) or the file is deleted. The
+    part is never the set's (readers take marked parts only) and the next run removes it;
+    before, its rows stayed in the set for good (ids twice, or a deleted file's rows)."""
+    corpus, out = tmp_path / "c", tmp_path / "out"
+    write_corpus(corpus / "a.parquet", list(range(25)), [text_for(i) for i in range(25)])
+    write_corpus(corpus / "b.parquet", list(range(100, 110)), [text_for(i) for i in range(10)])
+    spec = job(corpus, out, tiny_model_dir)
+    monkeypatch.setenv("EMBEDPIPE_FAILPOINT", f"write_marker:1:1:{tmp_path / 'fp'}")
+    with pytest.raises(OSError, match="injected fault at write_marker"):
+        run_library(spec)  # a's 2nd shard (rows 20-24): part and hashes, no marker
+    monkeypatch.delenv("EMBEDPIPE_FAILPOINT")
+    folder = SetFolder(str(out), "mean")
+    [orphan] = folder.unmarked_shards()
+    assert len(folder.part_urls()) == 1 and folder.has_part(orphan)  # unseen by readers
+    if then == "grows":
+        write_corpus(corpus / "a.parquet", list(range(35)), [text_for(i) for i in range(35)])
+    else:
+        (corpus / "a.parquet").unlink()
+    summary = run_library(spec)
+    ids = sorted(read_set(out, "mean"))  # every part file: an id twice fails
+    assert ids == [*range(35), *range(100, 110)] if then == "grows" else list(range(100, 110))
+    assert not folder.has_part(orphan) and not folder.unmarked_shards()
+    assert summary.rows == folder.meta().rows_written == len(ids)
+    assert scan_set(str(out), "mean").collect().height == len(ids)

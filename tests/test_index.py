@@ -380,7 +380,7 @@ def test_running_out_of_memory_while_building_is_one_line_naming_the_budget(tmp_
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from _index_sets import write_changes
+    from _index_sets import write_changes, write_marker
 
     rng = np.random.default_rng(0)
     folder = tmp_path / "sets" / "s"
@@ -391,6 +391,7 @@ def test_running_out_of_memory_while_building_is_one_line_naming_the_budget(tmp_
         table = pa.table({"id": np.arange(p * 100_000, (p + 1) * 100_000),
                           "embedding": pa.FixedSizeListArray.from_arrays(flat, 64)})
         pq.write_table(table, folder / name, row_group_size=10_000)
+        write_marker(tmp_path, "s", name, 100_000)
     write_meta(tmp_path, "s", meta("s", 64))
     write_changes(tmp_path, "s", 1, names, [])
     root = Path(__file__).resolve().parents[1]

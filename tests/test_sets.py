@@ -80,7 +80,10 @@ def test_part_round_trip_keeps_id_type_and_fixed_size_vectors(tmp_path):
     assert schema.field("id").type == pa.string()
     ids, back = folder.read_part("shard-a")
     assert ids.to_pylist() == ["x", "y", "z"] and np.array_equal(back, vectors)
-    assert folder.part_urls() == [folder.part_url("shard-a")]
+    assert folder.part_urls() == [] and folder.unmarked_shards() == {"shard-a"}  # not done
+    folder.write_marker(ShardMarker(shard="shard-a", file="a.parquet", first_group=0,
+                                    end_group=1, signature="s", rows=3, generation=1))
+    assert folder.part_urls() == [folder.part_url("shard-a")] and not folder.unmarked_shards()
     folder.remove_part("shard-a")
     assert not folder.has_part("shard-a") and folder.part_urls() == []
 
@@ -272,8 +275,12 @@ def _write_two_parts(out: str) -> tuple[list, np.ndarray]:
     folder = SetFolder(out, "mean")
     folder.claim(meta(id_type="int64", dim=3))
     vectors = np.arange(15, dtype=np.float32).reshape(5, 3)
-    folder.write_part("a", pa.array([1, 2, 3]), vectors[:3])
-    folder.write_part("b", pa.array([4, 5]), vectors[3:])
+    for shard, rows in (("a", slice(0, 3)), ("b", slice(3, 5))):
+        ids = pa.array([1, 2, 3, 4, 5][rows])
+        folder.write_part(shard, ids, vectors[rows])
+        folder.write_marker(ShardMarker(shard=shard, file="a.parquet", first_group=0,
+                                        end_group=1, signature="s", rows=len(ids),
+                                        generation=1))
     folder.write_hashes("a", pa.array([1, 2, 3]), np.arange(3, dtype=np.uint64), 1)
     folder.write_changes(1, ["part-a.parquet", "part-b.parquet"], [])
     return [1, 2, 3, 4, 5], vectors
