@@ -165,17 +165,23 @@ class _LocalStore:
         with storage.explained(self._guard, "lock"):
             fd = os.open(self._guard, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            with storage.explained(self._guard, "lock"):
+                fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # closing drops the lock
 
     def read(self) -> tuple[bytes | None, str | None]:
+        """The lease's bytes and version (None, None: no lease); any other failure to read
+        (NFS's ESTALE, EIO) is a StorageError, which the renewer rides out."""
         try:
             with open(self.url, "rb") as fh:
                 data = fh.read()
         except FileNotFoundError:
             return None, None
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.url}: {type(exc).__name__}: "
+                               f"{exc}") from None
         return data, hashlib.sha256(data).hexdigest()
 
     def create(self, data: bytes) -> str | None:
@@ -389,12 +395,15 @@ class WriterLease:
         self._thread.start()
 
     def _renew_loop(self) -> None:
+        """Renew every third of the TTL until released or lost: a failed renewal (the store
+        unreachable, a stale NFS handle) is retried, never the end of renewing; ``check``
+        notices if failures last past the TTL."""
         while not self._stop.wait(self.ttl / 3):
             try:
                 if not self.renew():
                     return
-            except StorageError:
-                continue  # transient: ``check`` notices if it lasts past the TTL
+            except (StorageError, OSError):
+                continue
 
 
 _held: dict[str, WriterLease] = {}

@@ -293,3 +293,29 @@ def test_a_hostile_holder_record_still_gives_one_printable_line(out):
         WriterLease(out, "embed").acquire()
     line = str(caught.value)
     assert "\n" not in line and "\x1b" not in line and "`python -c import os`" in line
+
+
+def test_a_failed_renewal_is_retried_not_the_end_of_renewing(tmp_path, monkeypatch):
+    """A local OUT on NFS: one renewal's read fails (ESTALE). The renewer rides it out and the
+    lease stays held past its TTL; before, that OSError ended the renewer thread, the lease
+    expired under a running writer and a second writer took OUT over."""
+    import errno
+
+    from pipeline import lease as lease_module
+
+    read, fails = lease_module._LocalStore.read, []
+
+    def stale_once(store):
+        if not fails and threading.current_thread().name.startswith("lease-renewer"):
+            fails.append(1)
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return read(store)
+
+    monkeypatch.setattr(lease_module._LocalStore, "read", stale_once)
+    out = str(tmp_path / "out")
+    with writer_lease(out, "embed") as held:
+        time.sleep(TTL * 1.5)
+        assert fails and held._thread.is_alive()
+        with pytest.raises(LeaseHeld):
+            WriterLease(out, "backfill").acquire()
+        held.check()
