@@ -25,7 +25,6 @@ from pipeline.errors import CorpusError, StorageError
 from pipeline.shards import FileLayout, Shard
 
 SkipReason = Literal["null_id", "null_text", "not_string", "empty_text", "duplicate_id"]
-_GLOB = "*?["
 
 
 class CorpusInfo(BaseModel):
@@ -129,8 +128,8 @@ def _signed_ids_fit(meta: pq.FileMetaData, id_column: str) -> bool:
 def _apart(url: str, urls: list[str], out: str) -> None:
     """One line where OUT lies inside the corpus (a folder corpus holding it, or corpus files
     under it): the run's own parts would be read as corpus the next time."""
-    glob = any(ch in url for ch in _GLOB)
-    folder = not glob and [storage.canonical(u) for u in urls] != [storage.canonical(url)]
+    named = [storage.canonical(u) for u in urls] != [storage.canonical(url)]
+    folder = named and not storage.is_pattern(url)
     within = [u for u in urls if storage.is_under(u, out)]
     if within or (folder and storage.is_under(out, url)):
         raise CorpusError(
@@ -163,8 +162,9 @@ def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
 def _root_path(url: str) -> str:
     """The fixed folder of a corpus URL: file names are stored relative to it."""
     fs, path = storage.filesystem(url)
-    if any(ch in path for ch in _GLOB):
-        static = path[: min(path.index(ch) for ch in _GLOB if ch in path)]
+    if storage.is_pattern(url):
+        glob = storage.GLOB_CHARS
+        static = path[: min(path.index(ch) for ch in glob if ch in path)]
         return static.rsplit("/", 1)[0]
     with storage.explained(url, "open"):
         return path.rstrip("/") if fs.isdir(path) else os.path.dirname(path)

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import fsspec
 import pyarrow as pa
@@ -39,11 +40,12 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 from pydantic import BaseModel, ValidationError
 
-from pipeline.errors import StorageError
+from pipeline.errors import ConfigError, StorageError
 
 M = TypeVar("M", bound=BaseModel)
 
 _S3_SCHEMES = ("s3://", "s3a://")
+GLOB_CHARS = "*?["  # a corpus URL holding one is a glob, unless it names a file or folder
 _ENDPOINT_VARS = ("EMBEDPIPE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 # Everything in the environment that changes which credentials or endpoint a client uses.
 _CLIENT_ENV_VARS = (
@@ -86,10 +88,17 @@ def is_under(url: str, folder: str) -> bool:
 
 
 def endpoint_url() -> str | None:
-    """The S3 endpoint from the environment, or None for AWS itself."""
+    """The S3 endpoint from the environment, or None for AWS itself; one that is not an
+    http(s) URL with a host (``minio:9000``, a common spelling) is a one-line ConfigError, not
+    the traceback of the S3 client's ``ValueError: Invalid endpoint``."""
     for var in _ENDPOINT_VARS:
-        if os.environ.get(var):
-            return os.environ[var]
+        endpoint = os.environ.get(var)
+        if endpoint:
+            parts = urlsplit(endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(f"{var}={endpoint!r} is not an S3 endpoint URL: expected "
+                                  "http(s)://host[:port]")
+            return endpoint
     return None
 
 
@@ -355,8 +364,9 @@ def expand_parquet(url: str) -> list[str]:
     (markers, temporary files).
     """
     fs, path = filesystem(url)
+    pattern = is_pattern(url)
     with explained(url, "list"):
-        if any(ch in path for ch in "*?["):
+        if pattern:
             found = [p for p in fs.glob(path) if fs.isfile(p)]
         elif fs.isdir(path):
             base = path.rstrip("/")
@@ -373,6 +383,16 @@ def expand_parquet(url: str) -> list[str]:
     if not found:
         raise StorageError(f"no Parquet files under {url}")
     return sorted(_as_url(url, p) for p in found)
+
+
+def is_pattern(url: str) -> bool:
+    """Whether corpus ``url`` is a glob: it holds ``*``, ``?`` or ``[`` and names no file or
+    folder that exists (``s3://b/run [1]/corpus/`` is read as it is, not as ``run 1``)."""
+    fs, path = filesystem(url)
+    if not any(ch in path for ch in GLOB_CHARS):
+        return False
+    with explained(url, "list"):
+        return not fs.exists(path)
 
 
 def _hidden(relative: str) -> bool:

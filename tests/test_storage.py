@@ -16,7 +16,7 @@ import pytest
 from _s3 import allow_all_but
 
 from pipeline import storage
-from pipeline.errors import StorageError
+from pipeline.errors import ConfigError, StorageError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -263,6 +263,20 @@ def test_expand_parquet_file_folder_glob(root: str) -> None:
     assert storage.expand_parquet(j("c/*.parquet")) == [j("c/a.parquet"), j("c/b.parquet")]
 
 
+def test_a_corpus_named_like_a_pattern_is_read_as_it_is(root: str) -> None:
+    """``run [1]/`` exists: it is that folder, not the glob matching ``run 1/`` beside it."""
+    for name in ("run [1]/corpus/a.parquet", "run 1/corpus/a.parquet", "q?/b.parquet"):
+        _write_tiny_parquet(storage.join(root, name))
+    j = lambda *p: storage.join(root, *p)  # noqa: E731
+    folder = j("run [1]", "corpus")
+    assert storage.expand_parquet(folder) == [j("run [1]/corpus/a.parquet")]
+    assert storage.expand_parquet(j("run [1]/corpus/a.parquet")) == [
+        j("run [1]/corpus/a.parquet")]
+    assert storage.expand_parquet(j("q?/b.parquet")) == [j("q?/b.parquet")]
+    assert storage.expand_parquet(j("run [1]/corpus/*.parquet")) == [j("run 1/corpus/a.parquet")]
+    assert not storage.is_pattern(folder) and storage.is_pattern(j("run*"))
+
+
 def test_expand_parquet_errors_name_the_url(root: str) -> None:
     storage.write_bytes(storage.join(root, "docs", "README.txt"), b"no parquet here")
     for url, reason in [(storage.join(root, "docs"), "no Parquet files under"),
@@ -331,6 +345,16 @@ def test_endpoint_from_standard_variable_and_hostname(s3_server, s3_bucket, monk
     assert storage.read_bytes(url) == b"ok"
     assert s3_server.client().get_object(Bucket=s3_bucket, Key="via-hostname.bin")[
         "Body"].read() == b"ok"
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:9000", "minio", "ftp://minio:21", "http://"])
+def test_an_endpoint_that_is_not_a_url_is_one_line(s3_bucket, monkeypatch, endpoint) -> None:
+    """``minio:9000`` without its scheme: one line naming the variable, not the S3 client's
+    ``ValueError: Invalid endpoint`` traceback."""
+    monkeypatch.setenv("EMBEDPIPE_S3_ENDPOINT", endpoint)
+    with pytest.raises(ConfigError, match=r"^EMBEDPIPE_S3_ENDPOINT=.* is not an S3 endpoint "
+                                          r"URL: expected http\(s\)://host\[:port\]$"):
+        storage.read_bytes(f"s3://{s3_bucket}/x.bin")
 
 
 @pytest.mark.parametrize("call", ["read", "write", "list", "expand", "size"])
