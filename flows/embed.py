@@ -22,7 +22,7 @@ from pipeline.assembly import inherit_encoder, resolve_job
 from pipeline.config import EmbedJob
 from pipeline.errors import ConfigError, CorpusError, EmbedpipeError, FingerprintError, ModelError
 from pipeline.job import ShardRequest, ShardResult, embed_shard
-from pipeline.lease import check_held, writer_lease
+from pipeline.lease import LeaseLost, check_held, writer_lease
 from pipeline.run import RunPlan, finalize, prepare
 
 TASK_RETRIES = 2
@@ -31,7 +31,7 @@ TASK_RETRIES = 2
 class ShardFailed(EmbedpipeError):
     """A shard kept failing after its retries; the run can be resumed."""
 
-PERMANENT = (CorpusError, ConfigError, FingerprintError, ModelError)
+PERMANENT = (CorpusError, ConfigError, FingerprintError, ModelError, LeaseLost)
 
 
 def _transient(task, task_run, state) -> bool:
@@ -134,7 +134,7 @@ def _run(job: dict, verify: bool, progress: bool, keep_current: bool = True) -> 
         return get_embedder(spec.encoder, spec.poolers)
 
     with writer_lease(spec.out, flow_run.flow_name or "embed", wait=spec.lease_wait) as lease:
-        plan = prepare(spec, load_embedder, verify=verify)
+        plan = prepare(spec, load_embedder, verify=verify, lease=lease.token)
         planned = time.perf_counter()
         say(f"{len(plan.requests)} of {len(plan.shards)} shards to run, {plan.rows_todo:,} rows")
         logger = get_run_logger()

@@ -57,6 +57,7 @@ class ShardRequest(BaseModel):
     generation: dict[str, int]
     sets: list[SetWork]
     drop_rows: list[int] = []
+    lease: str | None = None  # the run's writer lease token: checked before each set's writes
 
 
 class SetOutcome(BaseModel):
@@ -395,6 +396,7 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
     out, shard = request.job.out, request.shard
     generation = request.generation[work.name]
     folder = SetFolder(out, work.name)
+    _fence(request)
     old_ids, old_hashes, written_in = folder.read_hashes(shard.id)
     marker = ShardMarker(
         shard=shard.id,
@@ -430,8 +432,18 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
     else:
         folder.remove_part(shard.id)
     faults.hit("write_marker", f"{shard.id}/{work.name}")
+    _fence(request)  # the marker makes the part the set's: only while OUT is still this run's
     folder.write_marker(marker)
     return True, len(removed)
+
+
+def _fence(request: ShardRequest) -> None:
+    """Stop before writing into OUT if the run's writer lease is no longer held by it
+    (``lease.check_holder``); a request without a lease (a library caller's) writes as it is."""
+    if request.lease is not None:
+        from pipeline.lease import check_holder
+
+        check_holder(request.job.out, request.lease)
 
 
 def _write_quarantine(request: ShardRequest, tables: list[pa.Table]) -> None:

@@ -17,10 +17,14 @@ writers can never both believe they took it:
   ``If-Match: <ETag>`` renews, releases and takes it over (AWS S3 since 2024, MinIO, moto).
 
 A renewal that finds another holder marks the lease lost; ``check`` (called by the flows
-between shards and before ``finalize``) then raises ``LeaseLost``. The lease is re-entrant
-within one process (an embed flow that also indexes does not wait for itself) and released on
-exit, normal or not. Expiry compares the holder's last renewal time with the taker's clock:
-writers' clocks must agree to well within the TTL (NTP does this).
+between shards and before ``finalize`` and an index's publish) then raises ``LeaseLost``, and
+a shard's worker, in whichever process it runs, reads the lease before it writes a set's files
+and before the marker that makes them the set's (``check_holder``): a writer paused past its
+TTL writes nothing into an OUT another writer took over. The lease is re-entrant within the
+thread that took it (an embed flow that also indexes does not wait for itself; another thread
+of the process is another writer) and released on exit, normal or not. Expiry compares the
+holder's last renewal time with the taker's clock: writers' clocks must agree to well within
+the TTL (NTP does this).
 """
 
 from __future__ import annotations
@@ -272,6 +276,20 @@ def _conflict(exc: BaseException) -> bool:
     return False
 
 
+def _read_holder(store: _Store) -> tuple[Holder | None, str | None]:
+    """The lease's holder and version in ``store`` (None, None: no lease)."""
+    data, version = store.read()
+    if data is None:
+        return None, None
+    try:
+        return Holder.model_validate_json(data), version
+    except ValidationError:
+        raise StorageError(
+            f"{store.url} is not a writer lease; if no embedpipe writer is running on this "
+            "OUT, remove it"
+        ) from None
+
+
 def _store(out: str) -> _Store:
     if storage.is_s3(out):
         return _S3Store(out)
@@ -298,6 +316,7 @@ class WriterLease:
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _thread: threading.Thread | None = field(init=False, default=None)
+    _thread_id: int = field(init=False, default_factory=threading.get_ident)  # the taker's
 
     def __post_init__(self) -> None:
         self._store = _store(self.out)
@@ -310,17 +329,13 @@ class WriterLease:
     def url(self) -> str:
         return self._store.url
 
+    @property
+    def token(self) -> str:
+        """This acquisition's token (``check_holder`` fences writers with it)."""
+        return self._me.token
+
     def _current(self) -> tuple[Holder | None, str | None]:
-        data, version = self._store.read()
-        if data is None:
-            return None, None
-        try:
-            return Holder.model_validate_json(data), version
-        except ValidationError:
-            raise StorageError(
-                f"{self.url} is not a writer lease; if no embedpipe writer is running on this "
-                "OUT, remove it"
-            ) from None
+        return _read_holder(self._store)
 
     def acquire(self, wait: float = 0.0) -> None:
         """Take the lease, waiting up to ``wait`` seconds for a live holder to finish."""
@@ -418,16 +433,19 @@ def _out_lock(key: str) -> threading.Lock:
 
 @contextmanager
 def writer_lease(out: str, command: str, wait: float = 0.0) -> Iterator[WriterLease]:
-    """Hold OUT's writer lease for the block; re-entrant within this process. Waiting for one
-    OUT's lease holds up no thread that takes or frees another OUT's."""
+    """Hold OUT's writer lease for the block; re-entrant within the thread that took it (an
+    embed flow that also indexes). Another thread of this process is another writer: it
+    waits up to ``wait`` seconds, then fails naming the holder, as one elsewhere would.
+    Waiting for one OUT's lease holds up no thread that takes or frees another OUT's."""
     key = storage.canonical(out)
-    with _out_lock(key):
-        lease = _held.get(key)
-        if lease is None:
-            lease = WriterLease(out, command)
-            lease.acquire(wait)
-            _held[key] = lease
-        lease._users += 1
+    deadline = time.monotonic() + max(0.0, wait)
+    while (lease := _enter(key, out, command, wait)) is None:
+        if time.monotonic() >= deadline:
+            holder = _held.get(key)
+            whom = holder._me.describe(time.time()) if holder else "another thread"
+            raise LeaseHeld(f"{out} is being written by {whom}, in another thread of this "
+                            "process")
+        time.sleep(0.05)
     try:
         yield lease
     finally:
@@ -436,6 +454,36 @@ def writer_lease(out: str, command: str, wait: float = 0.0) -> Iterator[WriterLe
             if lease._users == 0:
                 del _held[key]
                 lease.release()
+
+
+def _enter(key: str, out: str, command: str, wait: float) -> WriterLease | None:
+    """OUT's lease for this thread: the one it holds, or newly taken (waiting up to ``wait``
+    for a holder elsewhere); None while another thread of this process holds it."""
+    with _out_lock(key):
+        lease = _held.get(key)
+        if lease is None:
+            lease = WriterLease(out, command)
+            lease.acquire(wait)
+            _held[key] = lease
+        elif lease._thread_id != threading.get_ident():
+            return None
+        lease._users += 1
+        return lease
+
+
+def check_holder(out: str, token: str) -> None:
+    """Raise ``LeaseLost`` unless OUT's lease is still held, unexpired, by the acquisition
+    ``token`` (``WriterLease.token``): read from the store, so it fences a worker in any
+    process (a Dask or process runner's) before it writes a shard's files. A writer paused or
+    cut off past its TTL, whose OUT another writer took over, writes nothing more into it."""
+    holder, _ = _read_holder(_store(out))
+    now = time.time()
+    if holder is not None and holder.token == token and not holder.free(now):
+        return
+    whom = ("nobody (its lease expired)" if holder is not None and holder.token == token
+            else holder.describe(now) if holder is not None else "nobody (the lease was removed)")
+    raise LeaseLost(f"this run lost the writer lease on {out} to {whom}; it stopped before "
+                    "writing a shard: rerun to resume")
 
 
 def check_held(out: str) -> None:

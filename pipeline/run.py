@@ -166,7 +166,8 @@ def set_meta(embedder: Embedder, job: EmbedJob, name: str, id_type: str, key: st
     )
 
 
-def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = False) -> RunPlan:
+def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = False,
+            lease: str | None = None) -> RunPlan:
     """Check everything, claim the sets, list the shards to run.
 
     The corpus is checked before ``load_embedder`` is called: a bad corpus fails in seconds.
@@ -210,6 +211,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
                     generation=generation,
                     sets=work,
                     drop_rows=drop,
+                    lease=lease,
                 )
             )
     return RunPlan(

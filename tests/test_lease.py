@@ -319,3 +319,65 @@ def test_a_failed_renewal_is_retried_not_the_end_of_renewing(tmp_path, monkeypat
         with pytest.raises(LeaseHeld):
             WriterLease(out, "backfill").acquire()
         held.check()
+
+
+def test_a_writer_that_lost_out_writes_no_shard_into_it(out, tmp_path, tiny_model_dir):
+    """The run's writer stalls past its TTL after planning (a GC, a frozen VM), another takes
+    OUT over; the stalled run's shard then writes nothing (no part, no marker), wherever its
+    worker runs: the worker reads the lease before writing."""
+    from _flowkit import job, text_for, write_corpus
+
+    from pipeline.config import EmbedJob, parse
+    from pipeline.embedder import get_embedder
+    from pipeline.job import embed_shard
+    from pipeline.lease import LeaseLost, check_holder
+    from pipeline.run import prepare
+    from pipeline.sets import SetFolder
+
+    corpus = write_corpus(tmp_path / "c" / "a.parquet", list(range(20)),
+                          [text_for(i) for i in range(20)])
+    spec = parse(EmbedJob, job(corpus, out, tiny_model_dir), "job")
+    with writer_lease(out, "embed") as stalled:
+        plan = prepare(spec, lambda: get_embedder(spec.encoder, spec.poolers),
+                       lease=stalled.token)
+        check_holder(out, stalled.token)  # still its own
+        stalled._stop.set()
+        stalled._thread.join()  # no renewals ...
+        time.sleep(TTL * 1.2)  # ... past its TTL
+        taker = WriterLease(out, "nightly")
+        taker.acquire()
+        with pytest.raises(LeaseLost, match=r"lost the writer lease on .* to 'nightly'.*"
+                                            r"stopped before writing a shard"):
+            embed_shard(plan.requests[0])
+        folder = SetFolder(out, "mean")
+        assert folder.part_urls() == [] and not folder.unmarked_shards()
+        taker.release()
+
+
+def test_another_thread_of_the_process_is_another_writer(out):
+    """Two threads of one process (a service calling ``embedpipe.embed`` from a pool) on one
+    OUT: the second waits for the first, or fails naming it; the taker's own thread re-enters."""
+    inside, errors = [], []
+
+    def second(wait: float) -> None:
+        try:
+            with writer_lease(out, "backfill", wait=wait):
+                inside.append(time.monotonic())
+        except LeaseHeld as exc:
+            errors.append(str(exc))
+
+    with writer_lease(out, "embed") as first:
+        with writer_lease(out, "index") as again:
+            assert again is first  # re-entrant in its own thread
+        refused = threading.Thread(target=second, args=(0.0,))
+        refused.start()
+        refused.join()
+        assert inside == [] and "in another thread of this process" in errors[0]
+        assert "'embed'" in errors[0]
+        waiting = threading.Thread(target=second, args=(TTL * 5,))
+        waiting.start()
+        time.sleep(0.5)
+        left = time.monotonic()
+        assert inside == []
+    waiting.join()
+    assert len(inside) == 1 and inside[0] >= left

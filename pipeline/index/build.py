@@ -33,6 +33,7 @@ from pipeline.index.idmap import IdMap
 from pipeline.index.plan import BATCH_ROWS, QUERY_SAMPLE, IndexPlan, parse_bytes, plan_index
 from pipeline.index.setdata import Part, SetVectors
 from pipeline.index.tune import tune
+from pipeline.lease import check_held
 from pipeline.sets import SetChanges, SetFolder, SetMeta
 
 log = logging.getLogger("embedpipe.index")
@@ -189,6 +190,7 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
                  kind=plan.kind, factory=plan.factory, mode="full", next_label=idmap.next_label)
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
+    check_held(req.out)  # a writer that lost OUT's lease publishes nothing into it
     meta = store.publish(req.out, index, idmap, meta)
     return meta
 
@@ -319,6 +321,7 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
                  next_label=first + added)
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
+    check_held(req.out)  # a writer that lost OUT's lease publishes nothing into it
     meta = store.publish(req.out, index, idmap, meta)
     return meta, f"+{added:,} -{len(dropped):,} rows"
 
