@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import unicodedata
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from pipeline.errors import CorpusError, StorageError
 from pipeline.shards import FileLayout, Shard
 
 SkipReason = Literal["null_id", "null_text", "not_string", "empty_text", "duplicate_id"]
+_DROPPED = frozenset(("Cc", "Cf"))  # control and format characters: not visible text
 
 
 class CorpusInfo(BaseModel):
@@ -398,6 +400,14 @@ def _reason(id_null: bool, duplicate: bool, text: object) -> SkipReason | None:
         return "null_text"
     if not isinstance(text, str):
         return "not_string"
-    if not text.strip():
+    if _blank(text):
         return "empty_text"
     return None
+
+
+def _blank(text: str) -> bool:
+    """No visible character: only whitespace, control and format characters (Unicode Cc, Cf:
+    NUL, a zero-width space, a byte-order mark, a soft hyphen), which BERT's tokenizers drop:
+    such a text got the vector of an empty one, the same for every such row. Stops at the
+    first visible character (the first, in most texts)."""
+    return all(c.isspace() or unicodedata.category(c) in _DROPPED for c in text)

@@ -23,6 +23,18 @@ from pipeline.errors import CorpusError, FingerprintError
 from pipeline.sets import SetFolder, scan_set
 
 
+def test_texts_without_a_visible_character_are_empty(tmp_path, tiny_model_dir):
+    """A zero-width space, a byte-order mark with a soft hyphen, NUL: the tokenizer drops them
+    all, so each row got the one vector of an empty text. They are skipped as empty_text; a
+    visible character beside them is embedded."""
+    blank = ["\u200b", "\ufeff\u00ad", "\x00 \t", "\u2060\u200e"]
+    kept = ["a\u200b", "\u200bword", "\u00e9t\u00e9"]
+    write_corpus(tmp_path / "a.parquet", list(range(7)), blank + kept)
+    summary = run_library(job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir))
+    assert summary.skipped == {"empty_text": 4}
+    assert sorted(read_set(tmp_path / "out", "mean")) == [4, 5, 6]
+
+
 def test_bad_rows_are_skipped_counted_and_quarantined(tmp_path, tiny_model_dir):
     ids = list(range(12)) + [None]
     texts = [text_for(i) for i in range(13)]
@@ -90,14 +102,14 @@ def test_long_control_and_unusual_unicode_texts_embed(tmp_path, tiny_model_dir):
         "\u200b\u200d\ufeff zero widths",
         "emoji \U0001f600\U0001f9ec and rtl \u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d",
         "combining e\u0301\u0301 and \ud7a3 and \U00010348 and \ufffd",
-        "\x00\x01\x02",  # only control characters: not blank, so embedded
+        "\x00\x01\x02",  # only control characters: no visible one, so an empty text
     ]
     assert len(texts[0]) > 1_000_000
     write_corpus(tmp_path / "a.parquet", list(range(len(texts))), texts)
     summary = run_library(job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir))
     vectors = read_set(tmp_path / "out", "mean")
-    assert summary.skipped == {} and sorted(vectors) == list(range(len(texts)))
-    matrix = np.stack([vectors[i] for i in range(len(texts))])
+    assert summary.skipped == {"empty_text": 1} and sorted(vectors) == list(range(5))
+    matrix = np.stack([vectors[i] for i in range(5)])
     assert np.isfinite(matrix).all()
     assert np.allclose(np.linalg.norm(matrix, axis=1), 1.0, atol=1e-5)
 
