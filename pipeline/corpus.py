@@ -400,12 +400,12 @@ def _reason(id_null: bool, duplicate: bool, text: object) -> SkipReason | None:
         return "null_text"
     if not isinstance(text, str):
         return "not_string"
-    if _blank(text):
+    if blank(text):
         return "empty_text"
     return None
 
 
-def _blank(text: str) -> bool:
+def blank(text: str) -> bool:
     """No visible character: only whitespace, control and format characters (Unicode Cc, Cf:
     NUL, a zero-width space, a byte-order mark, a soft hyphen), which BERT's tokenizers drop:
     such a text got the vector of an empty one, the same for every such row. Stops at the

@@ -20,6 +20,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec, parse
+from pipeline.corpus import blank
 from pipeline.errors import ConfigError, FingerprintError, StorageError, TokenLimitError
 from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
 from pipeline.models.hashing import int8_kernel_of
@@ -57,8 +58,8 @@ def check_queries(queries: Sequence[object]) -> list[str]:
     for i, text in enumerate(queries):
         if not isinstance(text, str):
             raise ConfigError(f"query {i} is {type(text).__name__}, not text")
-        if not text.strip():
-            raise ConfigError(f"query {i} is empty or whitespace")
+        if blank(text):
+            raise ConfigError(f"query {i} is empty or whitespace (no visible character)")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:

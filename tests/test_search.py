@@ -79,6 +79,7 @@ def test_query_takes_options_between_out_and_its_words(indexed, capsys):
     ([None], r"query 0 is NoneType, not text"),
     ([["nested"]], r"query 0 is list, not text"),
     (["  "], r"query 0 is empty or whitespace"),
+    (["ok", "\u200b\ufeff"], r"query 1 is empty or whitespace \(no visible character\)"),
 ])
 def test_queries_that_are_not_text_are_one_line_before_the_model_loads(tmp_path, queries,
                                                                        reason, capsys):
@@ -87,10 +88,11 @@ def test_queries_that_are_not_text_are_one_line_before_the_model_loads(tmp_path,
     missing = str(tmp_path / "no-such-out")  # refused before OUT is even read
     with pytest.raises(ConfigError, match=reason):
         embedpipe.search(missing, queries)
-    if isinstance(queries[-1], str) and queries[-1].strip():
+    if isinstance(queries[-1], str) and queries[-1].strip():  # as typed on a command line
         assert main(["query", missing, queries[-1]]) == 1
         err = capsys.readouterr().err
-        assert err.startswith("embedpipe query: error: query 0 is not valid text")
+        assert err.startswith("embedpipe query: error: query 0 is ")
+        assert reason.removeprefix("query 1 is").removeprefix("query 0 is")[:12] in err
         assert len(err.splitlines()) == 1
 
 

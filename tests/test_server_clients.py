@@ -138,6 +138,8 @@ def test_embedding_requests_out_of_bounds_get_4xx_with_a_reason(served, path, bo
 @pytest.mark.parametrize(("path", "body", "loc", "reason"), [
     ("/v1/embeddings", {"input": [""]}, ["body", "input", 0], "at least 1 character"),
     ("/v1/embeddings", {"input": ["ok", "  "]}, ["body", "input", 1], "empty or whitespace"),
+    ("/v1/embeddings", {"input": ["ok", "\u200b"]}, ["body", "input", 1],
+     "no visible character"),
     ("/v1/embeddings", {"input": ""}, ["body", "input", 0], "at least 1 character"),
     ("/embed", {"inputs": ["ok", None]}, ["body", "inputs", 1], "valid string"),
 ])

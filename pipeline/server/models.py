@@ -20,14 +20,15 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.corpus import blank
 from pipeline.ranking import MAX_K
 from pipeline.search import Hit
 from pipeline.server.config import MAX_BATCH, MAX_QUERY_CHARS
 
 
 def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("text is empty or whitespace")
+    if blank(text):
+        raise ValueError("text is empty or whitespace (no visible character)")
     return text
 
 
