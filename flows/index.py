@@ -9,6 +9,7 @@ from flows.progress import phase_printer
 from pipeline.index import IndexRequest, index_set, list_sets
 from pipeline.index.plan import parse_bytes
 from pipeline.lease import writer_lease
+from pipeline.sets import SetFolder
 from pipeline.settings import load_settings
 
 
@@ -39,6 +40,8 @@ def index_flow(out: str, set_name: str | None = None, kind: str = "auto",
     parse_bytes(memory_budget)  # a bad budget fails before any work
     load_settings().export_env()  # the lease's TTL, S3 endpoint: as this installation sets them
     names = [set_name] if set_name else list_sets(out)
+    if set_name:
+        SetFolder(out, set_name).meta()  # a set not there fails in one line, OUT untouched
     if not names:
         from pipeline.errors import StorageError
 

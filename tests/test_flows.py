@@ -330,3 +330,14 @@ def test_flags_turn_off_what_the_config_file_turns_on(tmp_path):
     args = build_parser().parse_args(["embed", "c.parquet", "out", "--config", str(config)])
     job_ = build_job(args.corpus, args.out, config=args.config, **_options(args))
     assert (job_.quarantine, job_.dedupe) == (True, True)
+
+
+def test_indexing_a_set_that_is_not_there_leaves_out_untouched(tmp_path, capsys):
+    """A mistyped OUT or set name: one line, and no OUT folder or lease files made for it."""
+    from flows.cli import main
+
+    out = tmp_path / "typo" / "out"
+    assert main(["index", str(out), "--set", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("embedpipe index: error: no set 'x' under ")
+    assert not (tmp_path / "typo").exists()
