@@ -409,5 +409,7 @@ def blank(text: str) -> bool:
     """No visible character: only whitespace, control and format characters (Unicode Cc, Cf:
     NUL, a zero-width space, a byte-order mark, a soft hyphen), which BERT's tokenizers drop:
     such a text got the vector of an empty one, the same for every such row. Stops at the
-    first visible character (the first, in most texts)."""
+    first visible character."""
+    if text[:1].isalnum():  # most texts: at once
+        return False
     return all(c.isspace() or unicodedata.category(c) in _DROPPED for c in text)
