@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -224,6 +225,23 @@ def test_index_on_s3_builds_locally_uploads_and_loads_through_a_cache(
     caught = index_set(IndexRequest(out=out, set_name="s"), say=lambda _: None)
     assert (caught.action, caught.meta.rows) == ("caught up", 1_499), caught.reason
     top = open_index(out, store.read_meta(out, "s")).search(x[:1], 3)[0]
+    assert "d0" not in [i for i, _ in top]
+    # the cache keeps the version the current one replaced: a reader mid-swap may open it
+    cached = tmp_path / "cache" / "index" / s3_bucket / "run/index/s"
+    assert {p.name for p in cached.iterdir()} == {m.token, caught.meta.token}
+
+    # another process finishes the same download between the check and the rename
+    shutil.rmtree(cached / caught.meta.token)
+    rename = os.replace
+
+    def raced(src, dst):
+        if Path(src).name.startswith(".partial-"):
+            shutil.copytree(src, dst)  # the other process's copy, there first
+        rename(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store.os, "replace", raced)
+        top = open_index(out, store.read_meta(out, "s")).search(x[:1], 3)[0]
     assert "d0" not in [i for i, _ in top]
 
 

@@ -203,7 +203,8 @@ def _verify(path: Path, digest: str | None, shown: str) -> None:
 
 def _cached(src: str, meta: IndexMeta) -> Path:
     """The cache folder of ``meta``'s version of remote index ``src``, downloaded if missing
-    (into a hidden folder, checked, then renamed); other versions of it are removed."""
+    (into a hidden folder, checked, then renamed); versions other than it and the one it
+    replaced are removed (a reader of that one, mid-swap, may be about to open it)."""
     root = cache_root()
     parent = root / "index" / src.split("://", 1)[1].strip("/")
     target = parent / file_name(meta.token, "the index token")
@@ -211,8 +212,9 @@ def _cached(src: str, meta: IndexMeta) -> Path:
         raise StorageError(f"index {src} would be cached outside {root / 'index'}")
     if not (target / meta.idmap_file).exists():
         _download(src, meta, parent, target)
+    keep = {meta.token, meta.previous_token}
     for old in parent.iterdir():
-        if old.is_dir() and old.name != meta.token and not old.name.startswith("."):
+        if old.is_dir() and old.name not in keep and not old.name.startswith("."):
             shutil.rmtree(old, ignore_errors=True)
     return target
 
@@ -228,7 +230,12 @@ def _download(src: str, meta: IndexMeta, parent: Path, target: Path) -> None:
                 fs.get_file(f"{path.rstrip('/')}/{name}", str(partial / name))
             _verify(partial / name, digest, storage.join(src, name))
         if not target.exists():  # else another process finished the same download first
-            os.replace(partial, target)
+            try:
+                os.replace(partial, target)
+            except OSError as exc:  # ... between the check and the rename (not empty)
+                if not (target / meta.idmap_file).exists():
+                    raise StorageError(f"cannot cache index {src} in {target}: "
+                                       f"{type(exc).__name__}: {exc}") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 
