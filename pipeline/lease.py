@@ -464,6 +464,11 @@ def _enter(key: str, out: str, command: str, wait: float) -> WriterLease | None:
         if lease is None:
             lease = WriterLease(out, command)
             lease.acquire(wait)
+            try:  # OUT is this writer's now: what writers killed mid-write left goes
+                storage.remove_stale_temporaries(out, older_than=lease.ttl)
+            except StorageError:
+                lease.release()
+                raise
             _held[key] = lease
         elif lease._thread_id != threading.get_ident():
             return None

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -256,6 +257,37 @@ def _write_local_atomic(path: str, fill) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+STALE_PREFIXES = (".tmp-", ".staging-")  # a local write's temporary file, an index's staging
+
+
+def remove_stale_temporaries(url: str, older_than: float) -> int:
+    """Remove what writers killed mid-write left in local folder ``url`` and below: hidden
+    ``.tmp-*`` files and ``.staging-*`` folders untouched for ``older_than`` seconds (no
+    listing shows them, so nothing else ever would). On S3 an object appears whole or not at
+    all: nothing to do. Returns how many went."""
+    if is_remote(url):
+        return 0
+    cutoff, removed = time.time() - older_than, 0
+    with explained(url, "clean"):
+        for folder, dirs, files in os.walk(url.removeprefix("file://")):
+            stale = [(n, False) for n in files if n.startswith(STALE_PREFIXES[0])]
+            stale += [(n, True) for n in dirs if n.startswith(STALE_PREFIXES[1])]
+            dirs[:] = [d for d in dirs if not d.startswith(STALE_PREFIXES)]
+            for name, is_dir in stale:
+                removed += _remove_if_older(os.path.join(folder, name), is_dir, cutoff)
+    return removed
+
+
+def _remove_if_older(path: str, is_dir: bool, cutoff: float) -> int:
+    try:
+        if os.path.islink(path) or os.lstat(path).st_mtime >= cutoff:
+            return 0
+        shutil.rmtree(path) if is_dir else os.remove(path)
+    except FileNotFoundError:  # its writer finished or cleaned up meanwhile
+        return 0
+    return 1
 
 
 def _sync_folder(folder: str) -> None:

@@ -381,3 +381,24 @@ def test_another_thread_of_the_process_is_another_writer(out):
         assert inside == []
     waiting.join()
     assert len(inside) == 1 and inside[0] >= left
+
+
+def test_taking_out_removes_what_writers_killed_mid_write_left(tmp_path):
+    """A writer killed mid-write leaves hidden temporaries no listing shows: a part's
+    ``.tmp-*`` file, an index's ``.staging-*`` folder. The next writer to take OUT removes
+    those untouched for a TTL; younger ones (a write under way) and others' files stay."""
+    out = tmp_path / "out"
+    old = [out / "sets" / "mean" / ".tmp-0a-part-x.parquet",
+           out / "sets" / "mean" / "_done" / ".tmp-0b-x.json",
+           out / "index" / "mean" / ".staging-abc" / "index.faiss"]
+    young = out / "sets" / "mean" / ".tmp-0c-part-y.parquet"
+    kept = [out / "sets" / "mean" / "part-x.parquet", out / "sets" / "mean" / ".keep-me"]
+    for path in [*old, young, *kept]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 1000)
+    past = time.time() - TTL * 3
+    for path in [*old[:2], old[2].parent]:
+        os.utime(path, (past, past))
+    with writer_lease(str(out), "embed"):
+        assert not any(p.exists() for p in old[:2]) and not old[2].parent.exists()
+        assert young.exists() and all(p.exists() for p in kept)
