@@ -470,7 +470,8 @@ def _quarantine_table(shard: Shard, chunk: Chunk) -> pa.Table:
 
 
 def limit_threads(job: EmbedJob) -> None:
-    """Share the cores between the job's worker processes: torch threads = cores // processes.
+    """Share the cores between the job's worker processes: torch threads = cores // processes
+    (``workers``; on a Dask cluster at an address, the worker processes of each machine).
 
     A threads runner's shards share one process, whose forward passes all run on its one torch
     thread (``pipeline.torch_thread``), each with every core. Called on that thread (torch's

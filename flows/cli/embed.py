@@ -59,7 +59,9 @@ def _job_args(p: argparse.ArgumentParser, pooler_required: bool = False) -> None
                    "run, and GPUs")
     p.add_argument("--runner", choices=get_args(Runner))
     p.add_argument("--dask-address", help="scheduler address (default: a local Dask cluster)")
-    p.add_argument("--workers", type=int, help="parallel shards (default 1)")
+    p.add_argument("--workers", type=int,
+                   help="parallel shards (default 1); with --dask-address, the Dask worker "
+                        "processes each machine runs (torch threads = cores // N)")
     p.add_argument("--rows-per-shard", type=int, help="rows per shard (default 20000)")
     p.add_argument("--lease-wait", type=float, metavar="SECONDS",
                    help="wait for another writer of OUT to finish (default: fail at once)")
