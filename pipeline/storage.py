@@ -246,7 +246,7 @@ def _write_local_atomic(path: str, fill) -> None:
     keep a later file (a done marker) and lose an earlier one (its part)."""
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+    tmp = os.path.join(parent, f"{TMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
     try:
         with open(tmp, "wb") as fh:
             fill(fh)
@@ -259,7 +259,7 @@ def _write_local_atomic(path: str, fill) -> None:
             os.remove(tmp)
 
 
-STALE_PREFIXES = (".tmp-", ".staging-")  # a local write's temporary file, an index's staging
+TMP_PREFIX, STAGING_PREFIX = ".tmp-", ".staging-"  # a local write's file, an index's folder
 
 
 def remove_stale_temporaries(url: str, older_than: float) -> int:
@@ -272,9 +272,9 @@ def remove_stale_temporaries(url: str, older_than: float) -> int:
     cutoff, removed = time.time() - older_than, 0
     with explained(url, "clean"):
         for folder, dirs, files in os.walk(url.removeprefix("file://")):
-            stale = [(n, False) for n in files if n.startswith(STALE_PREFIXES[0])]
-            stale += [(n, True) for n in dirs if n.startswith(STALE_PREFIXES[1])]
-            dirs[:] = [d for d in dirs if not d.startswith(STALE_PREFIXES)]
+            stale = [(n, False) for n in files if n.startswith(TMP_PREFIX)]
+            stale += [(n, True) for n in dirs if n.startswith(STAGING_PREFIX)]
+            dirs[:] = [d for d in dirs if not d.startswith(STAGING_PREFIX)]
             for name, is_dir in stale:
                 removed += _remove_if_older(os.path.join(folder, name), is_dir, cutoff)
     return removed

@@ -138,7 +138,7 @@ def publish(out: str, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> Inde
             storage.upload_dir(tmp, dest)  # files whose names start with "_" go last
     else:
         folder = Path(dest.removeprefix("file://"))
-        staging = folder / f".staging-{meta.token}"
+        staging = folder / f"{storage.STAGING_PREFIX}{meta.token}"
         try:
             meta = _stage(staging, index, idmap, meta)
             for name in (meta.index_file, meta.idmap_file, MARKER):
