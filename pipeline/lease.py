@@ -152,6 +152,7 @@ class _Store(Protocol):
     def create(self, data: bytes) -> str | None: ...
     def replace(self, data: bytes, version: str) -> str | None: ...
     def remove(self, version: str) -> None: ...
+    def check_swaps(self) -> None: ...
 
 
 class _LocalStore:
@@ -207,6 +208,12 @@ class _LocalStore:
             if self.read()[1] == version:
                 os.remove(self.url)
 
+    def check_swaps(self) -> None:
+        """flock holds on a local disk: nothing to probe."""
+
+
+_SWAPS_CHECKED: set[str] = set()  # buckets whose store refused a second If-None-Match PUT
+
 
 class _S3Store:
     """An S3 object, changed only by conditional PUTs (the ETag is the version)."""
@@ -233,11 +240,11 @@ class _S3Store:
             except FileNotFoundError:  # no lease yet (a missing bucket fails on the write)
                 return None, None
 
-    def _put(self, data: bytes, **condition: str) -> str | None:
+    def _put(self, data: bytes, key: str | None = None, **condition: str) -> str | None:
         with storage.explained(self.url, "write"):
             try:
-                response = self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key,
-                                            Body=data, **condition)
+                response = self._fs.call_s3("put_object", Bucket=self._bucket,
+                                            Key=key or self._key, Body=data, **condition)
             except Exception as exc:  # s3fs turns a refused condition into an OSError
                 if _conflict(exc):
                     return None
@@ -246,6 +253,24 @@ class _S3Store:
 
     def create(self, data: bytes) -> str | None:
         return self._put(data, IfNoneMatch="*")
+
+    def check_swaps(self) -> None:
+        """Refuse a store that ignores conditional writes (older MinIO or Ceph RGW releases,
+        some gateways): there two writers would both take the lease. Probed once per bucket
+        in a process: a second ``If-None-Match: *`` PUT of one new key must be refused."""
+        if self._bucket in _SWAPS_CHECKED:
+            return
+        probe = f"{self._key.rpartition('/')[0]}/.lease-probe-{uuid.uuid4().hex}".lstrip("/")
+        self._put(b"", probe, IfNoneMatch="*")
+        ignored = self._put(b"", probe, IfNoneMatch="*") is not None
+        with storage.explained(self.url, "remove"):
+            self._fs.call_s3("delete_object", Bucket=self._bucket, Key=probe)
+        if ignored:
+            raise StorageError(
+                f"the S3 store of {self.url} ignores conditional writes (a second PutObject "
+                "with If-None-Match: * was not refused), so it cannot keep two writers of one "
+                "OUT apart; use a store that honours them (AWS S3, MinIO since 2024)")
+        _SWAPS_CHECKED.add(self._bucket)
 
     def replace(self, data: bytes, version: str) -> str | None:
         return self._put(data, IfMatch=version)
@@ -340,6 +365,7 @@ class WriterLease:
     def acquire(self, wait: float = 0.0) -> None:
         """Take the lease, waiting up to ``wait`` seconds for a live holder to finish."""
         deadline = time.monotonic() + max(0.0, wait)
+        self._store.check_swaps()
         while True:
             holder, version = self._current()
             now = time.time()

@@ -402,3 +402,24 @@ def test_taking_out_removes_what_writers_killed_mid_write_left(tmp_path):
     with writer_lease(str(out), "embed"):
         assert not any(p.exists() for p in old[:2]) and not old[2].parent.exists()
         assert young.exists() and all(p.exists() for p in kept)
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused(s3_server, s3_bucket, monkeypatch):
+    """On a store that ignores If-None-Match / If-Match two writers would both take the lease:
+    taking one there fails in one line, before any lease is written; the probe leaves nothing."""
+    from pipeline import lease as lease_module
+
+    out = f"s3://{s3_bucket}/ignoring"
+    put = lease_module._S3Store._put
+    monkeypatch.setattr(lease_module, "_SWAPS_CHECKED", set())
+    monkeypatch.setattr(lease_module._S3Store, "_put",
+                        lambda store, data, key=None, **condition: put(store, data, key))
+    with pytest.raises(StorageError, match=r"ignores conditional writes .* cannot keep two "
+                                           r"writers of one OUT apart"):
+        WriterLease(out, "embed").acquire()
+    listed = s3_server.client().list_objects_v2(Bucket=s3_bucket, Prefix="ignoring/")
+    assert listed["KeyCount"] == 0  # no lease, and no probe left behind
+    monkeypatch.setattr(lease_module._S3Store, "_put", put)  # a store that honours them
+    with writer_lease(out, "embed"):
+        assert holder(out)["command"] == "embed"
+    assert {s3_bucket} == lease_module._SWAPS_CHECKED
