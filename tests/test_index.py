@@ -16,6 +16,7 @@ from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.index import IndexRequest, index_set, open_index, read_meta, store
 from pipeline.index import plan as plan_module
 from pipeline.index.handle import hnsw_of, ivf_of
+from pipeline.index.tune import EF_SEARCH
 
 
 def build(out: Path, name: str = "s", **kw):
@@ -261,6 +262,9 @@ def test_hnsw_catch_up_never_reuses_the_labels_of_masked_rows(tmp_path):
     assert handle.idmap.labels[900:].tolist() == list(range(1_000, 1_100))
     assert (first.next_label, m.mode, m.rows, m.masked, m.next_label) == (
         1_000, "catch-up", 1_000, 100, 1_100)
+    # the efSearch tuning chose is recorded, not raised by the masked rows (k + 100 here; past
+    # 65,526 masked rows, an index no load would take)
+    assert m.params["efSearch"] in EF_SEARCH
     # Deleting the top rows lowers the id map's highest label, never the high-water mark.
     (tmp_path / "sets" / "s" / parts[9]).unlink()
     bump(tmp_path, "s", [], list(range(900, 1_000)))

@@ -151,8 +151,11 @@ class IndexHandle:
 
     def settings_for(self, k: int) -> dict[str, int]:
         """The tuned parameters as a search for ``k`` rows runs them (``effective``: an nprobe
-        too small for the probed lists to hold k rows runs raised)."""
-        nprobe, ef_search = self.effective(self._fetch(k))
+        too small for the probed lists to hold k rows runs raised). Not raised for the masked
+        rows: each search raises for those it meets (``_fetch``), and an index recording
+        ``k + masked`` (an efSearch past what a load takes, after 65,526 masked rows) could
+        not be loaded."""
+        nprobe, ef_search = self.effective(max(min(int(self.index.ntotal), k), 1))
         ran = {"nprobe": nprobe, "efSearch": ef_search}
         return {name: ran[name] for name in self.params}
 
