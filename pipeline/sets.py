@@ -168,7 +168,8 @@ def scan_set(out: str, name: str) -> pl.LazyFrame:
     return SetFolder(out, name).scan()
 
 
-def _arrow_type(alias: str) -> pa.DataType:
+def id_arrow_type(alias: str) -> pa.DataType:
+    """The Arrow type of a set's ids from ``SetMeta.id_type`` (a string where not known)."""
     try:
         return pa.type_for_alias(alias)
     except ValueError:
@@ -292,7 +293,7 @@ class SetFolder:
         meta = self.meta()
         urls = self.part_urls()
         if not urls:
-            empty = pa.table({"id": pa.array([], _arrow_type(meta.id_type)),
+            empty = pa.table({"id": pa.array([], id_arrow_type(meta.id_type)),
                               "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
             return pl.from_arrow(empty).lazy()
         with storage.explained(self.url, "read"):

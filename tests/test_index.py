@@ -426,3 +426,28 @@ def test_running_out_of_memory_while_building_is_one_line_naming_the_budget(tmp_
     assert line.startswith("ConfigError: out of memory building the index of set 's'"), line
     assert "--memory-budget 4GB" in line and len(line.splitlines()) == 1
     assert not (tmp_path / "index" / "s" / "_INDEX.json").exists()
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "flat"])
+def test_a_set_whose_rows_all_left_it_serves_no_hits(tmp_path, kind):
+    """Every row deleted: HNSW cannot remove rows, so its catch-up falls back to a full build of
+    nothing, which left the old index published, answering with deleted ids. Now an empty
+    index replaces it; rows that come back later are indexed again."""
+    x = clustered(300, 8, seed=21)
+    parts = write_set(tmp_path, "s", [f"d{i}" for i in range(300)], x, parts=3, id_type="string")
+    first = build(tmp_path, kind=kind).meta
+    for part in parts:
+        (tmp_path / "sets" / "s" / part).unlink()
+        (tmp_path / "sets" / "s" / "_done" / part.replace("part-", "").replace(
+            ".parquet", ".json")).unlink()
+    bump(tmp_path, "s", [], [f"d{i}" for i in range(300)])
+    empty = build(tmp_path).meta
+    assert (empty.rows, empty.generation) == (0, first.generation + 1)
+    assert open_index(str(tmp_path), read_meta(str(tmp_path), "s")).search(x[:3], 5) == [
+        [], [], []]
+    write_part(tmp_path, "s", "part-00009.parquet", ["back"], x[:1])
+    bump(tmp_path, "s", ["part-00009.parquet"], [])
+    again = build(tmp_path).meta
+    assert again.rows == 1 and again.next_label >= first.next_label
+    hits = open_index(str(tmp_path), again).search(x[:1], 3)
+    assert [i for i, _ in hits[0]] == ["back"]

@@ -30,11 +30,18 @@ from pipeline.index import setdata, store
 from pipeline.index.exact import ExactTopK, faiss_metric
 from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
 from pipeline.index.idmap import IdMap
-from pipeline.index.plan import BATCH_ROWS, QUERY_SAMPLE, IndexPlan, parse_bytes, plan_index
+from pipeline.index.plan import (
+    BATCH_ROWS,
+    QUERY_SAMPLE,
+    IndexPlan,
+    factory_for,
+    parse_bytes,
+    plan_index,
+)
 from pipeline.index.setdata import Part, SetVectors
 from pipeline.index.tune import tune
 from pipeline.lease import check_held
-from pipeline.sets import SetChanges, SetFolder, SetMeta
+from pipeline.sets import SetChanges, SetFolder, SetMeta, id_arrow_type
 
 log = logging.getLogger("embedpipe.index")
 MAX_MASKED_SHARE = 0.2  # above this share of dead rows in an index that cannot delete: rebuild
@@ -162,6 +169,8 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     started = time.perf_counter()
     data = SetVectors.of(SetFolder(req.out, info.name), info)
     rows = data.rows
+    if rows == 0 and previous is not None:
+        return _empty(req, info, budget, previous, started, say)
     if rows == 0:
         raise StorageError(f"set {info.name!r} in {req.out} has no rows to index")
     plan = plan_index(rows, info.dim, info.metric, budget, req.kind)
@@ -193,6 +202,23 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     check_held(req.out)  # a writer that lost OUT's lease publishes nothing into it
     meta = store.publish(req.out, index, idmap, meta)
     return meta
+
+
+def _empty(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMeta,
+           started: float, say: Callable[[str], None]) -> store.IndexMeta:
+    """A set whose rows all left it: an empty flat index replaces the published one, which
+    would go on answering with ids no longer in the set (a kind that cannot delete rows
+    falls back to a full build, and there is nothing to build one from)."""
+    say(f"index {info.name}: the set has no rows left; an empty index replaces generation "
+        f"{previous.generation}")
+    factory = factory_for("flat", info.dim, 0)
+    index = _new_index(IndexPlan(kind="flat", factory=factory, metric=info.metric,
+                                 memory_estimate=0), info.dim)
+    handle = IndexHandle(index, IdMap.empty(id_arrow_type(info.id_type)), {})
+    meta = _meta(req, info, budget, 0, handle, previous, started, kind="flat", factory=factory,
+                 mode="full", next_label=previous.next_label or 0)
+    check_held(req.out)
+    return store.publish(req.out, index, handle.idmap, meta)
 
 
 def _new_index(plan: IndexPlan, dim: int) -> faiss.Index:
