@@ -99,6 +99,21 @@ def test_a_factory_its_rows_cannot_train_is_one_line(tmp_path, factory, says):
     assert str(raised.value) == says
 
 
+@pytest.mark.parametrize(("factory", "says"), [
+    ("IDMap,Flat", "add does not make sense with IndexIDMap, use add_with_ids"),
+    ("NSG16,Flat", "NSG does not support incremental addition"),
+])
+def test_a_factory_that_cannot_take_our_rows_is_one_line(tmp_path, factory, says):
+    """A factory with its own id map, or one that cannot add rows: FAISS's multi-line error
+    with its C++ location was raised as it was."""
+    x = clustered(300, 16, seed=7)
+    write_set(tmp_path, "s", [f"d{i}" for i in range(len(x))], x)
+    with pytest.raises(ConfigError) as raised:
+        build(tmp_path, kind=factory)
+    assert str(raised.value) == (f"FAISS cannot add rows to index {factory!r}: {says}; use "
+                                 "another --kind")
+
+
 def test_auto_picks_the_kind_by_size_and_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_module, "FLAT_MAX_ROWS", 1_000)
     monkeypatch.setattr(plan_module, "HNSW_MAX_ROWS", 3_000)

@@ -15,6 +15,7 @@ rebuilt, never caught up.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -189,7 +190,7 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     exact = ExactTopK(queries, 10, info.metric)
     for ids, vectors in data.iter_batches(req.batch_rows):
         labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
-        index.add_with_ids(vectors, labels)
+        _add(index, vectors, labels, plan.factory)
         idmap.append(labels, ids)
         exact.add(labels, vectors)
     _refuse_duplicates(idmap, info, req.out)
@@ -246,10 +247,25 @@ def _train(index: faiss.Index, train: np.ndarray, factory: str, rows: int) -> No
     try:
         index.train(train)
     except RuntimeError as exc:
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        reason = reason.split("failed: ", 1)[-1]
         raise ConfigError(f"FAISS cannot train index {factory!r} on {len(train):,} rows: "
-                          f"{reason}") from None
+                          f"{_faiss_reason(exc)}") from None
+
+
+def _add(index: faiss.Index, vectors: np.ndarray, labels: np.ndarray, factory: str) -> None:
+    """Add rows under their labels; what FAISS refuses (a factory that takes no ids of ours,
+    ``IDMap,Flat``; one that cannot add after building, ``NSG``) in one line."""
+    try:
+        index.add_with_ids(vectors, labels)
+    except RuntimeError as exc:
+        raise ConfigError(f"FAISS cannot add rows to index {factory!r}: {_faiss_reason(exc)}; "
+                          "use another --kind") from None
+
+
+def _faiss_reason(exc: RuntimeError) -> str:
+    """The last line of a FAISS error, without its C++ location."""
+    reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", reason)  # FAISS's C++ location
+    return reason.split("failed: ", 1)[-1]
 
 
 def _sample_positions(rng: np.random.Generator, rows: int, queries: int,
@@ -321,7 +337,7 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     added = 0
     for ids, vectors in touched.iter_batches(req.batch_rows):
         labels = np.arange(first + added, first + added + len(ids), dtype=np.int64)
-        index.add_with_ids(vectors, labels)
+        _add(index, vectors, labels, current.factory)
         idmap.append(labels, ids)
         added += len(ids)
     data = SetVectors.of(folder, info)
