@@ -101,11 +101,11 @@ def test_a_factory_its_rows_cannot_train_is_one_line(tmp_path, factory, says):
 
 @pytest.mark.parametrize(("factory", "says"), [
     ("IDMap,Flat", "add does not make sense with IndexIDMap, use add_with_ids"),
-    ("NSG16,Flat", "NSG does not support incremental addition"),
+    ("NSG16,Flat", "NNDescent.build cannot build a graph smaller than 100"),
 ])
 def test_a_factory_that_cannot_take_our_rows_is_one_line(tmp_path, factory, says):
-    """A factory with its own id map, or one that cannot add rows: FAISS's multi-line error
-    with its C++ location was raised as it was."""
+    """A factory with its own id map, or one that cannot add these rows: FAISS's multi-line
+    error with its C++ location was raised as it was."""
     x = clustered(300, 16, seed=7)
     write_set(tmp_path, "s", [f"d{i}" for i in range(len(x))], x)
     with pytest.raises(ConfigError) as raised:
