@@ -45,9 +45,10 @@ def describe(url: str, id_column: str, text_column: str, out: str | None = None
     """Open every file's footer, check columns and id types; fail with one line if unusable
     (or if ``out``, the run's OUT, lies inside the corpus: see ``_apart``)."""
     urls = storage.expand_parquet(url)
-    root = _root_path(url)
+    pattern = storage.is_pattern(url)  # on S3 a request: asked once
+    root = _root_path(url, pattern)
     if out is not None:
-        _apart(url, urls, out)
+        _apart(url, urls, out, pattern)
     layouts, id_types, unsigned = [], {}, []
     for file_url in urls:
         meta, schema = _footer(file_url)
@@ -127,11 +128,10 @@ def _signed_ids_fit(meta: pq.FileMetaData, id_column: str) -> bool:
     return True
 
 
-def _apart(url: str, urls: list[str], out: str) -> None:
+def _apart(url: str, urls: list[str], out: str, pattern: bool) -> None:
     """One line where OUT lies inside the corpus (a folder corpus holding it, or corpus files
     under it): the run's own parts would be read as corpus the next time."""
-    named = [storage.canonical(u) for u in urls] != [storage.canonical(url)]
-    folder = named and not storage.is_pattern(url)
+    folder = not pattern and [storage.canonical(u) for u in urls] != [storage.canonical(url)]
     within = [u for u in urls if storage.is_under(u, out)]
     if within or (folder and storage.is_under(out, url)):
         raise CorpusError(
@@ -161,12 +161,12 @@ def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
     )
 
 
-def _root_path(url: str) -> str:
-    """The fixed folder of a corpus URL: file names are stored relative to it."""
+def _root_path(url: str, pattern: bool) -> str:
+    """The fixed folder of a corpus URL (``pattern``: a glob): file names are stored relative
+    to it."""
     fs, path = storage.filesystem(url)
-    if storage.is_pattern(url):
-        glob = storage.GLOB_CHARS
-        static = path[: min(path.index(ch) for ch in glob if ch in path)]
+    if pattern:
+        static = path[: min(path.index(ch) for ch in storage.GLOB_CHARS if ch in path)]
         return static.rsplit("/", 1)[0]
     with storage.explained(url, "open"):
         return path.rstrip("/") if fs.isdir(path) else os.path.dirname(path)
@@ -179,7 +179,12 @@ def _relative(file_url: str, root: str) -> str:
 
 
 def arrow_id_type(id_type: str) -> pa.DataType:
-    return pa.type_for_alias(id_type)
+    """The Arrow type named ``id_type`` (``int64``, ``string``, ...); a ValueError where it
+    names no integer or text type (a ``_SET.json``'s is read from disk)."""
+    kind = pa.type_for_alias(id_type)
+    if not (pa.types.is_integer(kind) or _is_text(kind)):
+        raise ValueError(f"{id_type!r} is not an id type (integers or text)")
+    return kind
 
 
 def id_type_holds(stored: str, corpus: str) -> bool:

@@ -29,9 +29,10 @@ import uuid
 import numpy as np
 import polars as pl
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from pipeline import storage
+from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.models.hashing import int8_hint
 from pipeline.models.similarity import Similarity
@@ -62,7 +63,7 @@ class SetMeta(BaseModel):
     # the job options and files that made the vectors (pipeline.run.job_key): a later run with
     # the same key is known to make the same fingerprint without loading the model
     job_key: str | None = None
-    id_type: str = "string"
+    id_type: str = "string"  # an Arrow type: an integer or text (checked as it is read)
     corpus: str | None = None  # where the texts are: search joins snippets back by id
     id_column: str = "id"
     text_column: str = "text"
@@ -86,6 +87,12 @@ class SetMeta(BaseModel):
             raise ConfigError(f"set {self.name!r}: its model compares vectors by manhattan "
                               "distance, which search here does not offer (cosine, dot, euclidean)")
         return "l2" if self.similarity == "euclidean" else "ip"
+
+    @field_validator("id_type")
+    @classmethod
+    def _an_id_type(cls, id_type: str) -> str:
+        arrow_id_type(id_type)
+        return id_type
 
     def check_columns(self, id_column: str, text_column: str, out: str) -> None:
         """Refuse a job that reads other corpus columns than the set's vectors were made from:
@@ -166,14 +173,6 @@ def list_sets(out: str) -> list[str]:
 def scan_set(out: str, name: str) -> pl.LazyFrame:
     """The set's rows as a polars LazyFrame with columns ``id`` and ``embedding``."""
     return SetFolder(out, name).scan()
-
-
-def id_arrow_type(alias: str) -> pa.DataType:
-    """The Arrow type of a set's ids from ``SetMeta.id_type`` (a string where not known)."""
-    try:
-        return pa.type_for_alias(alias)
-    except ValueError:
-        return pa.string()
 
 
 class SetFolder:
@@ -293,7 +292,7 @@ class SetFolder:
         meta = self.meta()
         urls = self.part_urls()
         if not urls:
-            empty = pa.table({"id": pa.array([], id_arrow_type(meta.id_type)),
+            empty = pa.table({"id": pa.array([], arrow_id_type(meta.id_type)),
                               "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
             return pl.from_arrow(empty).lazy()
         with storage.explained(self.url, "read"):

@@ -57,6 +57,19 @@ def test_a_set_made_again_under_its_name_gets_another_token(tmp_path):
     assert first.generation == again.generation  # the token alone tells them apart
 
 
+@pytest.mark.parametrize("id_type", ["float64", "no-such-type"])
+def test_a_set_json_whose_id_type_is_not_one_is_one_line(tmp_path, id_type):
+    """``id_type`` is read from disk: one that names no integer or text type is refused where
+    ``_SET.json`` is read (an empty set's reader took it for strings)."""
+    folder = SetFolder(str(tmp_path), "mean")
+    folder.claim(meta())
+    raw = json.loads((tmp_path / "sets" / "mean" / "_SET.json").read_text())
+    (tmp_path / "sets" / "mean" / "_SET.json").write_text(json.dumps(raw | {"id_type": id_type}))
+    with pytest.raises(StorageError) as raised:
+        folder.read_meta()
+    assert "\n" not in str(raised.value) and "id_type" in str(raised.value)
+
+
 def test_claim_refuses_parts_without_metadata(tmp_path):
     folder = SetFolder(str(tmp_path), "mean")
     folder.write_part("s1", pa.array([1]), np.ones((1, 4), np.float32))

@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline import storage
+from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.index import setdata, store
 from pipeline.index.exact import ExactTopK, faiss_metric
@@ -42,7 +43,7 @@ from pipeline.index.plan import (
 from pipeline.index.setdata import Part, SetVectors
 from pipeline.index.tune import tune
 from pipeline.lease import check_held
-from pipeline.sets import SetChanges, SetFolder, SetMeta, id_arrow_type
+from pipeline.sets import SetChanges, SetFolder, SetMeta
 
 log = logging.getLogger("embedpipe.index")
 MAX_MASKED_SHARE = 0.2  # above this share of dead rows in an index that cannot delete: rebuild
@@ -215,7 +216,7 @@ def _empty(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexM
     factory = factory_for("flat", info.dim, 0)
     index = _new_index(IndexPlan(kind="flat", factory=factory, metric=info.metric,
                                  memory_estimate=0), info.dim)
-    handle = IndexHandle(index, IdMap.empty(id_arrow_type(info.id_type)), {})
+    handle = IndexHandle(index, IdMap.empty(arrow_id_type(info.id_type)), {})
     meta = _meta(req, info, budget, 0, handle, previous, started, kind="flat", factory=factory,
                  mode="full", next_label=previous.next_label or 0)
     check_held(req.out)
