@@ -282,12 +282,22 @@ def remove_stale_temporaries(url: str, older_than: float) -> int:
 
 def _remove_if_older(path: str, is_dir: bool, cutoff: float) -> int:
     try:
-        if os.path.islink(path) or os.lstat(path).st_mtime >= cutoff:
+        if os.path.islink(path) or _last_written(path, is_dir) >= cutoff:
             return 0
         shutil.rmtree(path) if is_dir else os.remove(path)
     except FileNotFoundError:  # its writer finished or cleaned up meanwhile
         return 0
     return 1
+
+
+def _last_written(path: str, is_dir: bool) -> float:
+    """When ``path`` was last written: for a folder, the newest of it and its entries (a file
+    still being written into an old folder is in use)."""
+    times = [os.lstat(path).st_mtime]
+    if is_dir:
+        with os.scandir(path) as entries:
+            times += [e.stat(follow_symlinks=False).st_mtime for e in entries]
+    return max(times)
 
 
 def _sync_folder(folder: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -246,12 +247,20 @@ def test_index_on_s3_builds_locally_uploads_and_loads_through_a_cache(
     cached = tmp_path / "cache" / "index" / s3_bucket / "run/index/s"
     assert {p.name for p in cached.iterdir()} == {m.token, caught.meta.token}
 
-    # another process finishes the same download between the check and the rename
+    # another process finishes the same download between the check and the rename; a
+    # download killed an hour ago is swept, one still writing into an old folder is not
     shutil.rmtree(cached / caught.meta.token)
+    hour_ago = time.time() - store.ABANDONED_DOWNLOAD_S - 60
+    for name in ("killed", "writing"):
+        (cached / f"{storage.STAGING_PREFIX}{name}").mkdir()
+        (cached / f"{storage.STAGING_PREFIX}{name}" / m.index_file).write_bytes(b"half")
+    os.utime(cached / f"{storage.STAGING_PREFIX}killed" / m.index_file, (hour_ago, hour_ago))
+    for name in ("killed", "writing"):
+        os.utime(cached / f"{storage.STAGING_PREFIX}{name}", (hour_ago, hour_ago))
     rename = os.replace
 
     def raced(src, dst):
-        if Path(src).name.startswith(".partial-"):
+        if Path(src).name.startswith(storage.STAGING_PREFIX):
             shutil.copytree(src, dst)  # the other process's copy, there first
         rename(src, dst)
 
@@ -259,6 +268,8 @@ def test_index_on_s3_builds_locally_uploads_and_loads_through_a_cache(
         patch.setattr(store.os, "replace", raced)
         top = open_index(out, store.read_meta(out, "s")).search(x[:1], 3)[0]
     assert "d0" not in [i for i, _ in top]
+    assert {p.name for p in cached.iterdir()} == {
+        m.token, caught.meta.token, f"{storage.STAGING_PREFIX}writing"}
 
 
 def test_hnsw_catch_up_never_reuses_the_labels_of_masked_rows(tmp_path):

@@ -396,12 +396,15 @@ def test_taking_out_removes_what_writers_killed_mid_write_left(tmp_path):
     for path in [*old, young, *kept]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * 1000)
+    writing = out / "index" / "other" / ".staging-def" / "index.faiss"  # old folder, new file
+    writing.parent.mkdir(parents=True)
+    writing.write_bytes(b"x")
     past = time.time() - TTL * 3
-    for path in [*old[:2], old[2].parent]:
+    for path in [*old, old[2].parent, writing.parent]:
         os.utime(path, (past, past))
     with writer_lease(str(out), "embed"):
         assert not any(p.exists() for p in old[:2]) and not old[2].parent.exists()
-        assert young.exists() and all(p.exists() for p in kept)
+        assert young.exists() and writing.exists() and all(p.exists() for p in kept)
 
 
 def test_a_store_that_ignores_conditional_writes_is_refused(s3_server, s3_bucket, monkeypatch):

@@ -37,6 +37,7 @@ from pipeline.settings import cache_root
 
 MARKER = "_INDEX.json"
 _CHUNK = 1 << 22
+ABANDONED_DOWNLOAD_S = 3600.0  # a cache download untouched this long was killed mid-way
 MAX_LABEL = 1 << 62  # labels are int64: far below the overflow of any arithmetic on them
 
 
@@ -204,13 +205,15 @@ def _verify(path: Path, digest: str | None, shown: str) -> None:
 def _cached(src: str, meta: IndexMeta) -> Path:
     """The cache folder of ``meta``'s version of remote index ``src``, downloaded if missing
     (into a hidden folder, checked, then renamed); versions other than it and the one it
-    replaced are removed (a reader of that one, mid-swap, may be about to open it)."""
+    replaced are removed (a reader of that one, mid-swap, may be about to open it), and so are
+    downloads a killed process left behind."""
     root = cache_root()
     parent = root / "index" / src.split("://", 1)[1].strip("/")
     target = parent / file_name(meta.token, "the index token")
     if not target.resolve().is_relative_to((root / "index").resolve()):
         raise StorageError(f"index {src} would be cached outside {root / 'index'}")
     if not (target / meta.idmap_file).exists():
+        storage.remove_stale_temporaries(str(parent), older_than=ABANDONED_DOWNLOAD_S)
         _download(src, meta, parent, target)
     keep = {meta.token, meta.previous_token}
     for old in parent.iterdir():
@@ -221,7 +224,7 @@ def _cached(src: str, meta: IndexMeta) -> Path:
 
 def _download(src: str, meta: IndexMeta, parent: Path, target: Path) -> None:
     fs, path = storage.filesystem(src)
-    partial = parent / f".partial-{uuid.uuid4().hex}"
+    partial = parent / f"{storage.STAGING_PREFIX}{uuid.uuid4().hex}"
     partial.mkdir(parents=True)
     try:
         for name, digest in ((meta.index_file, meta.index_sha256),
