@@ -373,7 +373,7 @@ def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None
     """Shards no longer planned: record their ids as removed, then delete part and marker.
     A shard's part left without its marker by a run that died (``unmarked_shards``) goes too
     once its shard id left the plan (the file grew, or went): else it stayed for good."""
-    gone = set(markers) | folder.unmarked_shards()
+    gone = set(markers) | folder.unmarked_shards(markers)
     for sid in sorted(sid for sid in gone if sid not in planned):
         ids, _, _ = folder.read_hashes(sid)
         folder.record_removed(g, sid, ids.to_pylist())

@@ -25,6 +25,7 @@ Every write goes through ``pipeline.storage`` and is atomic.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 
 import numpy as np
 import polars as pl
@@ -279,13 +280,14 @@ class SetFolder:
         return {file_name(n[len(PART_PREFIX):-len(".parquet")], self.url)
                 for n in names if n.startswith(PART_PREFIX)}
 
-    def unmarked_shards(self) -> set[str]:
+    def unmarked_shards(self, markers: Iterable[str] | None = None) -> set[str]:
         """Shards with a part or hashes but no done marker: left by a run that died between
-        them (or a marker that is not one, ``read_markers``)."""
+        them. ``markers``: the shards ``read_markers`` found, so a marker file that is not one
+        counts as none (else its part stays the set's for good)."""
         hashed = (url.rsplit("/", 1)[-1][:-len(".parquet")]
                   for url in storage.list_files(self._at("_hashes"), ".parquet"))
         written = self._written_shards() | {file_name(h, self.url) for h in hashed}
-        return written - self.marked_shards()
+        return written - set(self.marked_shards() if markers is None else markers)
 
     def scan(self) -> pl.LazyFrame:
         """The set's parts as one polars LazyFrame with columns ``id`` and ``embedding``."""

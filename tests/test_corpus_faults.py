@@ -255,3 +255,22 @@ def test_a_part_left_without_its_marker_goes_once_its_shard_leaves_the_plan(
     assert not folder.has_part(orphan) and not folder.unmarked_shards()
     assert summary.rows == folder.meta().rows_written == len(ids)
     assert scan_set(str(out), "mean").collect().height == len(ids)
+
+
+def test_a_part_whose_marker_is_damaged_goes_once_its_shard_leaves_the_plan(
+        tmp_path, tiny_model_dir):
+    """A done marker that is not one (damaged JSON) does not make its part the set's for good:
+    the shard is redone while planned, and retired with its part once it leaves the plan."""
+    corpus, out = tmp_path / "c", tmp_path / "out"
+    write_corpus(corpus / "a.parquet", list(range(25)), [text_for(i) for i in range(25)])
+    spec = job(corpus, out, tiny_model_dir)
+    run_library(spec)
+    folder = SetFolder(str(out), "mean")
+    last = max(folder.read_markers().values(), key=lambda m: m.shard)
+    damaged = out / "sets" / "mean" / "_done" / f"{last.shard}.json"
+    damaged.write_text("{not json")
+    write_corpus(corpus / "a.parquet", list(range(35)), [text_for(i) for i in range(35)])
+    summary = run_library(spec)
+    ids = sorted(read_set(out, "mean"))  # an id twice fails
+    assert ids == list(range(35)) and not damaged.exists() and not folder.has_part(last.shard)
+    assert summary.rows == folder.meta().rows_written == 35
