@@ -304,18 +304,25 @@ class Encoder:
         """The batches that fix int8's input scales: from the model and its tokenizer alone
         (not the job's max_length), so a model's int8 vectors are the same in every job."""
         config, facts = self.model.config, self.tokenizer
-        longest = min(facts.model_max_length, int(config.max_position_embeddings))
+        longest = min(facts.model_max_length, loader.usable_positions(config))
         return calibration_batches(int(config.vocab_size), facts.all_special_ids, facts.prefix,
                                    facts.suffix, longest)
 
     def _max_length(self, model_limit) -> int:
-        positions = loader.model_positions(self.model.config)
-        limit = self.cfg.max_length or model_limit(self.files, self.tokenizer, self.model.config)
-        if limit > positions:
+        """The job's max_length, else the model's own (``loader.max_length``)."""
+        config = self.model.config
+        if not self.cfg.max_length:
+            return int(model_limit(self.files, self.tokenizer, config))
+        usable = loader.usable_positions(config)
+        if self.cfg.max_length > usable:
+            skipped = loader.position_offset(config)
+            less = f" less the {skipped} its embeddings skip" if skipped else ""
             raise ConfigError(
-                f"max_length {limit} exceeds the model's {positions} positions ({self.folder})"
+                f"max_length {self.cfg.max_length} exceeds the {usable} tokens model "
+                f"{self.folder} reads in a row (its {loader.model_positions(config)} "
+                f"positions{less})"
             )
-        return int(limit)
+        return int(self.cfg.max_length)
 
     def _prompt(self, text: str) -> Prompt:
         """``text`` as a Prompt; its length counted as sentence-transformers counts it (the

@@ -77,7 +77,8 @@ def test_name_not_in_local_cache(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_max_length_above_positions(tiny_model_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="max_length 512 exceeds the model's 128 positions"):
+    with pytest.raises(ConfigError, match=r"max_length 512 exceeds the 128 tokens model .* "
+                                          r"reads in a row \(its 128 positions\)"):
         Embedder(tiny(tiny_model_dir, max_length=512), [PoolerSpec(name="mean")])
 
 

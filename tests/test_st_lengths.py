@@ -63,6 +63,41 @@ def test_a_plain_folder_numbering_positions_after_padding_leaves_room_for_them(
     assert_same(ours.encode(texts), st.encode(texts, batch_size=32), "plain MPNet folder")
 
 
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_sentence_transformers_mpnet_reads_no_position_past_its_last(
+        tmp_path: Path, texts: list[str], pinned: bool) -> None:
+    """An MPNet saved by sentence-transformers with no length in its tokenizer (or a
+    max_seq_length of all 130 positions): sentence-transformers truncates at 130 and fails in
+    the model on a long text. embedpipe reads 128 (it failed the shard, IndexError, after its
+    retries) and gives sentence-transformers' vectors wherever it gives any; a job asking for
+    more is refused in one line."""
+    from sentence_transformers import SentenceTransformer
+
+    from pipeline.errors import ConfigError
+
+    base = build_tiny_bert(tmp_path / "mpnet", kind="mpnet")
+    positions = TINY_MAX_POSITIONS + 2
+    folder = save_variant(base, tmp_path / "st", Variant(
+        "mean", "mean", max_seq_length=positions if pinned else None))
+    if not pinned:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.pop("model_max_length", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    st = SentenceTransformer(str(folder), device="cpu")
+    assert st.max_seq_length == positions
+    with pytest.raises(IndexError):
+        st.encode(LONG)
+    ours = ours_for(folder)
+    assert ours.encoder.max_length == TINY_MAX_POSITIONS
+    fits = [t for t in texts if len(st.tokenize([t])["input_ids"][0]) <= TINY_MAX_POSITIONS]
+    assert len(fits) > 100 and ours.encode(LONG).shape == (2, 32)
+    assert_same(ours.encode(fits), st.encode(fits, batch_size=32), "sentence-transformers MPNet")
+    with pytest.raises(ConfigError, match=r"max_length 130 exceeds the 128 tokens model .* "
+                                          r"reads in a row \(its 130 positions less the 2 its "
+                                          r"embeddings skip\)"):
+        ours_for(folder, max_length=positions)
+
+
 def test_truncate_keeps_the_side_the_tokenizer_keeps() -> None:
     right = truncate(np.array([3, 10, 5]), 5)
     left = truncate(np.array([3, 10, 5]), 5, "left")

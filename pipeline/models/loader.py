@@ -222,17 +222,20 @@ def _hub(trust_remote_code: bool) -> dict:
 
 def max_length(files: ModelFiles, tokenizer: PreTrainedTokenizerFast, config: ModelConfig
                ) -> int:
-    """Tokens per row as sentence-transformers truncates: a saved max_seq_length as is,
-    otherwise the tokenizer's limit capped at the model's positions. A plain HF folder: the
-    tokenizer's limit capped, as sentence-transformers caps it, at the model's positions (less
-    the positions its embeddings skip, ``position_offset``: sentence-transformers' extra ones
-    would fail in the model), and at 512."""
-    limit, positions = int(tokenizer.model_max_length), model_positions(config)
+    """Tokens per row as sentence-transformers truncates: a saved max_seq_length, else the
+    tokenizer's limit (a plain HF folder: at most 512), capped at the positions a row can
+    read (``usable_positions``: sentence-transformers' cap at ``max_position_embeddings``
+    leaves a model numbering tokens after its padding index failing on a long text; where it
+    gives vectors, this cap gives the same)."""
+    limit = int(tokenizer.model_max_length)
     if not files.sentence_transformers:
-        return min(limit, PLAIN_MAX_LENGTH, positions - position_offset(config))
-    pinned = files.transformer.max_seq_length is not None or (
-        "model_max_length" in files.transformer.tokenizer_args)
-    return limit if pinned else min(limit, positions)
+        limit = min(limit, PLAIN_MAX_LENGTH)
+    return min(limit, usable_positions(config))
+
+
+def usable_positions(config: ModelConfig) -> int:
+    """The longest row the model reads: its positions less those its embeddings skip."""
+    return model_positions(config) - position_offset(config)
 
 
 def model_positions(config: ModelConfig) -> int:
