@@ -19,6 +19,7 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -74,7 +75,8 @@ class Embedder:
         self.first_token_only = (self.layers == {self.info.num_layers} and not self.attention
                                  and all(p.first_token_only for p in self.poolers.values()))
         if encoder.window:
-            self._check_window(encoder.window.size, encoder.window.stride)
+            self._check_window(encoder.window.size, encoder.window.stride,
+                               self.encoder.document_prompt)
         self._check_row_tokens()
 
     def _check_row_tokens(self) -> None:
@@ -86,17 +88,24 @@ class Embedder:
         for pooler in self.poolers.values():
             pooler.check_row_tokens(tokens, source)
 
-    def _check_window(self, size: int, stride: int) -> None:
+    def _check_window(self, size: int, stride: int, prompt: Prompt) -> None:
         if size > self.encoder.max_length:
             raise ConfigError(f"window size {size} is above max_length {self.encoder.max_length}")
-        specials = len(self.encoder.prefix) + len(self.encoder.suffix)
-        for prompt in (self.encoder.document_prompt, self.encoder.query_prompt):
-            if size - specials - len(prompt.ids) < stride:
-                raise ConfigError(
-                    f"window size {size} leaves {size - specials - len(prompt.ids)} tokens after "
-                    f"the special tokens and the prompt {prompt.text!r}: fewer than the stride "
-                    f"{stride}"
-                )
+        left = size - len(self.encoder.prefix) - len(self.encoder.suffix) - len(prompt.ids)
+        if left < stride:
+            raise ConfigError(
+                f"window size {size} leaves {left} tokens after the special tokens and the "
+                f"prompt {prompt.text!r}: fewer than the stride {stride}"
+            )
+
+    @cached_property
+    def query_prompt(self) -> Prompt:
+        """The model's query prompt, checked when queries first need it (``query``, ``serve``
+        and ``eval`` ask at load): one with no room for text refuses queries, not documents."""
+        prompt = self.encoder.query_prompt
+        if self.cfg.window:
+            self._check_window(self.cfg.window.size, self.cfg.window.stride, prompt)
+        return prompt
 
     def dims(self) -> dict[str, int]:
         return {name: pooler.dim for name, pooler in self.poolers.items()}
@@ -111,7 +120,7 @@ class Embedder:
         return stable_hash(
             {
                 "model_hash": self.info.model_hash,
-                "prompts": [self.encoder.document_prompt.text, self.encoder.query_prompt.text],
+                "prompts": [self.encoder.document_prompt.text, self.encoder.query_prompt_text],
                 "pooler": self.specs[name].spec_dict() | {"window_agg": self.window_agg(name)},
                 "pooler_identity": self.poolers[name].identity(),
                 "max_length": self.info.max_length,
@@ -178,7 +187,7 @@ class Embedder:
 
     def encode_queries(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
         """Query vectors of ``texts`` (with the model's query prompt) for one set."""
-        return self._encode(texts, set_name, self.encoder.query_prompt)
+        return self._encode(texts, set_name, self.query_prompt)
 
     def _encode(self, texts: Sequence[str], set_name: str | None, prompt: Prompt) -> np.ndarray:
         """Vectors of ``texts`` in slices of ``slice_rows``: a thread tokenizes the next slice

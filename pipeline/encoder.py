@@ -15,6 +15,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -141,8 +142,14 @@ class Encoder:
         self._pool = None
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
         prompts = self.files.prompts
-        self.document_prompt = self._prompt(prompts.document(self.cfg.prompt_name))
-        self.query_prompt = self._prompt(prompts.query(self.cfg.query_prompt_name))
+        self.document_prompt = self._prompt(prompts.document(self.cfg.prompt_name), "prompt")
+        self.query_prompt_text = prompts.query(self.cfg.query_prompt_name)
+
+    @cached_property
+    def query_prompt(self) -> Prompt:
+        """The query prompt, measured when queries first need it: a query prompt with no
+        room for text refuses queries, not the model's documents."""
+        return self._prompt(self.query_prompt_text, "query_prompt")
 
     def _settle_precision(self) -> None:
         """The dtype (``auto`` measured on the eager model), batch limits, the model hash, then
@@ -324,16 +331,17 @@ class Encoder:
             )
         return int(self.cfg.max_length)
 
-    def _prompt(self, text: str) -> Prompt:
+    def _prompt(self, text: str, option: str) -> Prompt:
         """``text`` as a Prompt; its length counted as sentence-transformers counts it (the
-        prompt tokenized alone, with special tokens, less a trailing special token)."""
+        prompt tokenized alone, with special tokens, less a trailing special token).
+        ``option``: the ``[encoder]`` option naming another (``prompt`` or ``query_prompt``)."""
         if not text:
             return Prompt()
         ids = tuple(self._ids.encode(text, add_special_tokens=False).ids)
         if len(ids) >= self.content_length:
             raise ConfigError(
-                f"prompt {text!r} takes {len(ids)} tokens: no room for text within max_length "
-                f"{self.max_length}"
+                f"{option.replace('_', ' ')} {text!r} takes {len(ids)} tokens: no room for text "
+                f"within max_length {self.max_length} (`{option}_name = \"\"` for none)"
             )
         full = [*self.prefix, *ids, *self.suffix]  # fits: no truncation
         length = len(full) - (1 if full and full[-1] in self.tokenizer.all_special_ids else 0)

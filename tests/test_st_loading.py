@@ -278,6 +278,39 @@ def test_prompt_names_are_checked(headed: Path) -> None:
         embedder(headed, prompt_name="passage")
 
 
+def test_a_query_prompt_with_no_room_refuses_queries_not_documents(
+        base: Path, tmp_path: Path) -> None:
+    """A query prompt longer than max_seq_length: sentence-transformers embeds the model's
+    documents, and so does embedpipe (it refused the model); queries fail in one line naming
+    the option that picks another, at load where a set is searched."""
+    from _search_sets import embedded_set
+    from _st_models import assert_same
+    from sentence_transformers import SentenceTransformer
+
+    from pipeline.search import QueryEncoder
+    from pipeline.sets import SetFolder
+
+    long_query = "Given a web search query, retrieve relevant passages that answer the query: "
+    folder = save_variant(base, tmp_path / "st", Variant(
+        "long_query", "mean", max_seq_length=16, prompts={"query": long_query,
+                                                          "document": "passage: "},
+        default_prompt="document"))
+    texts = real_texts(20)
+    st = SentenceTransformer(str(folder), device="cpu")
+    ours = embedder(folder)
+    assert_same(ours.encode(texts), st.encode(texts), "documents")
+    refused = (r"query prompt 'Given a web .* takes \d+ tokens: no room for text within "
+               r"max_length 16 \(`query_prompt_name = \"\"` for none\)")
+    with pytest.raises(ConfigError, match=refused):
+        ours.encode_queries(["lemon cake"])
+    out = embedded_set(tmp_path / "out", folder, name="model", strategy="model")
+    with pytest.raises(ConfigError, match=refused):
+        QueryEncoder(SetFolder(str(out), "model").meta())
+    plain = embedder(folder, query_prompt_name="")
+    assert plain.fingerprint("model") != ours.fingerprint("model")
+    assert_same(plain.encode_queries(texts), st.encode(texts, prompt=""), "no query prompt")
+
+
 def test_model_head_needs_a_model_with_modules(tiny_model_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"model_head = true, but .* has no Dense or Normalize"):
         embedder(tiny_model_dir, PoolerSpec(name="c", strategy="cls", model_head=True))
