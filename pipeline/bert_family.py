@@ -81,6 +81,12 @@ class Dims:
     buckets: int  # MPNet's relative position buckets; 0 elsewhere
     embedding: int  # the input embeddings' width: ``hidden`` but in a narrower ELECTRA
 
+    def __post_init__(self) -> None:
+        """transformers' own check, which the fused forward (no transformers model) skips."""
+        if self.heads <= 0 or self.hidden % self.heads:
+            raise ValueError(f"the hidden size ({self.hidden}) is not a multiple of the number "
+                             f"of attention heads ({self.heads})")
+
 
 def dims(config: ModelConfig) -> Dims:
     """The sizes of the fusable model of ``config`` (a type in ``FUSABLE_TYPES``)."""

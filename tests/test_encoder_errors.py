@@ -11,6 +11,7 @@ from pipeline.config import EncoderConfig, PoolerSpec, WindowConfig, parse
 from pipeline.embedder import Embedder
 from pipeline.errors import ConfigError, ModelError
 from pipeline.head_files import HeadConfig
+from pipeline.models import loader
 from pipeline.models.loader import read_model_files
 from pipeline.poolers.heads import PoolingHead, save_head
 
@@ -80,6 +81,70 @@ def test_max_length_above_positions(tiny_model_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"max_length 512 exceeds the 128 tokens model .* "
                                           r"reads in a row \(its 128 positions\)"):
         Embedder(tiny(tiny_model_dir, max_length=512), [PoolerSpec(name="mean")])
+
+
+def _damaged_copy(tiny_model_dir: Path, target: Path, change) -> Path:
+    """A copy of the tiny model whose checkpoint ``change`` edited (a dict of tensors)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(shutil.copytree(tiny_model_dir, target))
+    state = load_file(folder / "model.safetensors")
+    change(state)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_checkpoint_missing_a_weight_is_refused_not_started_at_random(
+        tiny_model_dir: Path, tmp_path: Path, dtype: str) -> None:
+    """transformers starts a missing weight at random: each load's vectors differed, under the
+    same model hash. The base model's unused pooler may be missing."""
+    def drop(state):
+        del state[next(k for k in state if k.endswith("layer.1.output.dense.weight"))]
+
+    folder = _damaged_copy(tiny_model_dir, tmp_path / "missing", drop)
+    with pytest.raises(ModelError, match=r"model .*missing: the checkpoint has no weight "
+                                         r"\S*layer.1.output.dense.weight \(transformers would"):
+        Embedder(EncoderConfig(model=str(folder), dtype=dtype), [PoolerSpec(name="mean")])
+    unpooled = _damaged_copy(tiny_model_dir, tmp_path / "unpooled", lambda state: [
+        state.pop(k) for k in [k for k in state if k.startswith("pooler.")]])
+    ids = torch.tensor([[101, 2023, 2003, 102]])
+    states = []
+    for folder in (unpooled, tiny_model_dir):
+        files = read_model_files(str(folder))
+        model = loader.load_transformer(files, False, False, loader.load_config(files, False))
+        states.append(model(input_ids=ids).last_hidden_state)
+    torch.testing.assert_close(states[0], states[1])
+
+
+def test_a_checkpoint_weight_of_another_shape_is_one_line(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    def narrow(state):
+        key = next(k for k in state if k.endswith("layer.0.intermediate.dense.weight"))
+        state[key] = state[key][:-4].clone()
+
+    folder = _damaged_copy(tiny_model_dir, tmp_path / "shape", narrow)
+    with pytest.raises(ModelError, match=r"weight \S*layer.0.intermediate.dense.weight has shape "
+                                         r"\(60, 32\) in the checkpoint but \(64, 32\) in the"):
+        Embedder(tiny(folder), [PoolerSpec(name="mean")])
+
+
+def test_heads_that_do_not_divide_the_hidden_size_are_refused_at_load(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """transformers refuses such a config; the fused forward, which builds no transformers
+    model, failed on the first batch with a torch shape error (a shard retried, then lost)."""
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_model_dir, tmp_path / "heads"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_attention_heads": 3}))
+    with pytest.raises(ModelError, match=r"cannot load an encoder from .*heads: the hidden size "
+                                         r"\(32\) is not a multiple of the number of attention "
+                                         r"heads \(3\)"):
+        Embedder(tiny(folder), [PoolerSpec(name="mean")])
 
 
 def test_fp16_on_cpu_is_refused(tiny_model_dir: Path) -> None:

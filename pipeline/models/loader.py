@@ -171,10 +171,33 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool,
     from transformers import AutoModel
 
     attn = "eager" if eager else None
-    model = AutoModel.from_pretrained(str(files.transformer_dir), config=config,
-                                      attn_implementation=attn, dtype=torch.float32,
-                                      **_model_args(files), **_hub(trust_remote_code))
+    model, loading = AutoModel.from_pretrained(
+        str(files.transformer_dir), config=config, attn_implementation=attn, dtype=torch.float32,
+        output_loading_info=True, ignore_mismatched_sizes=True, **_model_args(files),
+        **_hub(trust_remote_code))
+    _check_loaded(files, loading)
     return model.eval()
+
+
+UNUSED_WEIGHTS = ("pooler.",)  # the base model's pooler: embedpipe reads hidden states only
+
+
+def _check_loaded(files: ModelFiles, loading: dict) -> None:
+    """Refuse what transformers would start at random: a weight missing from the checkpoint
+    (but the unused pooler's) or of another shape than the config's (vectors would differ
+    from one load to the next, under the same model hash)."""
+    where = files.transformer_dir
+    mismatched = sorted(loading.get("mismatched_keys") or ())
+    if mismatched:
+        name, stored, wanted = mismatched[0]
+        raise ModelError(f"model {where}: weight {name} has shape {tuple(stored)} in the "
+                         f"checkpoint but {tuple(wanted)} in the model's config")
+    missing = sorted(k for k in loading.get("missing_keys") or ()
+                     if not k.startswith(UNUSED_WEIGHTS))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelError(f"model {where}: the checkpoint has no weight {missing[0]}{more} "
+                         "(transformers would start it at random)")
 
 
 def read_fused_weights(files: ModelFiles, wanted: dict[str, tuple[int, ...]], base: str
