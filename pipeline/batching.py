@@ -61,7 +61,9 @@ def token_budget_batches(
     A batch whose longest row is shorter than ``unpadded_below`` goes to a forward that
     computes its real tokens alone (``pipeline.token_layout``): its tokens, budget and shape
     count those, and its padding costs little (no ``min_fill`` cut) but memory (its padded
-    tokens within ``UNPADDED_PADDED_BUDGETS`` budgets).
+    tokens within ``UNPADDED_PADDED_BUDGETS`` budgets). A row shorter than ``unpadded_below``
+    never joins a padded batch: its vector, computed by one kernel whatever its batch-mates,
+    depends on the text alone (in bf16 and int8 too).
     """
     if token_budget <= 0 or max_rows <= 0:
         raise ValueError("token_budget and max_rows must be positive")
@@ -85,6 +87,9 @@ def token_budget_batches(
             rows = max(1, int(np.searchsorted(-means, -min_fill * longest, side="right")))
         if shape is not None:
             rows = max(rows, min(shape(rows * longest), token_budget) // longest)
+        if unpadded_below:  # a row under it always runs unpadded, whatever its batch-mates
+            rows = min(rows, max(1, int(np.searchsorted(-ordered[start:], -unpadded_below,
+                                                        side="right"))))
         batches.append(order[start : start + rows])
         start += rows
     return batches

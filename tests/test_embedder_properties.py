@@ -50,3 +50,27 @@ def test_vectors_do_not_depend_on_batching(embedders: list[Embedder], texts, see
         assert out.ids == order.tolist()
         for name, matrix in out.vectors.items():
             np.testing.assert_allclose(matrix, alone[name][order], atol=1e-5)
+
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_a_short_text_never_runs_padded_beside_wide_rows(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """Where wide batches run padded (oneDNN Graph's attention: 96 tokens and more on an
+    AVX-512 CPU without AMX; forced at 40 tokens here), a short text never joins one: beside
+    long texts it went through the padded forward (another attention kernel), alone through
+    the unpadded one, its bf16 vector a last bit apart (1e-4), int8's more (3e-3)."""
+    from pipeline import attention
+
+    monkeypatch.setattr(attention, "unpadded_below", lambda dtype: 40)
+    ours = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype=dtype, device="cpu"),
+                    [PoolerSpec(name="mean")])
+    assert ours.encoder.unpadded_below == 40
+    long = " ".join(["longer"] * 120)
+    for n in (12, 20, 30):
+        texts = [" ".join(["word"] * n)] + [long] * 8
+        tokens = ours.tokenize(texts)
+        widths = [(int(mask.shape[1]), mask.sum(1).tolist())
+                  for _, _, mask in ours.padded_batches(tokens, ours.plan(tokens))]
+        assert len(widths) == 2 and all(min(real) >= 40 for width, real in widths if width >= 40)
+        np.testing.assert_array_equal(ours.encode(texts[:1]), ours.encode(texts)[:1])

@@ -133,7 +133,7 @@ def test_batches_of_real_tokens_alone_count_those(
     tokens (or one row) and ``max_rows`` rows, then with a shape the rows whose tokens fit the
     product rows its cut takes anyway, within the budget, and its padded tokens (its states
     come back padded) within ``UNPADDED_PADDED_BUDGETS`` budgets; a wider one is planned
-    padded, as before; every row once, longest first."""
+    padded, of rows no shorter than ``unpadded_below``; every row once, longest first."""
     arr = np.array(lengths, dtype=np.int64)
     shape = product_rows if shaped else None
     batches = token_budget_batches(arr, budget, max_rows, shape=shape,
@@ -145,6 +145,7 @@ def test_batches_of_real_tokens_alone_count_those(
         tokens, longest = int(arr[batch].sum()), int(arr[batch].max())
         if longest >= unpadded_below:
             assert len(batch) == 1 or len(batch) * longest <= budget
+            assert int(arr[batch].min()) >= unpadded_below  # a short row never runs padded
             continue
         assert len(batch) == 1 or tokens <= budget
         assert len(batch) == 1 or len(batch) * longest <= UNPADDED_PADDED_BUDGETS * budget
