@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from pipeline import ranking, storage
 from pipeline.corpus import arrow_id_type
-from pipeline.errors import CorpusError, StorageError
+from pipeline.errors import ConfigError, CorpusError, StorageError
 from pipeline.sets import SetFolder, SetMeta
 
 EXACT_MAX_BYTES = 2 << 30  # sets up to this many bytes of vectors are scored exactly by default
@@ -79,6 +79,7 @@ def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: 
     from pipeline.index import list_sets
 
     ranking.check_k(k)
+    check_report_path(out, ranks_out, "ranks file")
     relevant, unlabelled = load_queries(queries)
     names = list(dict.fromkeys(sets or list_sets(out)))
     if not names:
@@ -88,6 +89,14 @@ def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: 
     if ranks_out:
         write_ranks([ranks for _, ranks in scored], ranks_out)
     return [scores.model_copy(update={"unlabelled": unlabelled}) for scores, _ in scored]
+
+
+def check_report_path(out: str, path: str | None, what: str) -> None:
+    """A report file (ranks, plot) is written outside OUT: inside it, it could replace a
+    set's or an index's own file."""
+    if path and storage.is_under(path, out):
+        raise ConfigError(f"{what} {path} lies inside OUT {out}: write reports elsewhere "
+                          "(a file there could replace one of OUT's own)")
 
 
 def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,

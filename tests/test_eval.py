@@ -196,3 +196,20 @@ def test_a_set_holding_every_labelled_doc_counts_none_absent(tmp_path, tiny_mode
     pq.write_table(pa.table({"query": TEXTS[:3], "doc_id": [100, 101, 102]}), queries)
     (scores,) = evaluate_sets(str(out), str(queries), ["mean"])
     assert scores.absent == 0 and "not in set" not in table([scores])
+
+
+@pytest.mark.parametrize("option", ["--out", "--plot"])
+def test_a_report_inside_out_is_refused_before_scoring_and_out_is_unchanged(
+        tmp_path, tiny_model_dir, capsys, option):
+    """`eval --out out/sets/mean/_SET.json` wrote its Parquet over the set's description
+    (exit 0), and every later command failed on OUT with a traceback."""
+    out = embedded_set(tmp_path / "a", tiny_model_dir)
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": TEXTS[:3], "doc_id": [100, 101, 102]}), queries)
+    target = out / "sets" / "mean" / "_SET.json"
+    before = target.read_bytes()
+    assert main(["eval", str(out), str(queries), option, str(target)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"lies inside OUT {out}" in err, err
+    assert target.read_bytes() == before
+    assert main(["eval", str(out), str(queries), option, str(tmp_path / "report")]) == 0

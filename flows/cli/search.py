@@ -176,6 +176,7 @@ def run_eval(args: argparse.Namespace) -> int:
     import embedpipe
     from pipeline import evaluate
 
+    evaluate.check_report_path(args.out, args.plot, "plot")
     results = embedpipe.evaluate(args.out, args.queries, sets=args.sets, k=args.k,
                                  exact=args.exact, ranks_out=args.ranks_out, device=args.device,
                                  trust_remote_code=args.trust_remote_code)
