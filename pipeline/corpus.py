@@ -257,7 +257,7 @@ def find_duplicates(info: CorpusInfo, id_column: str, text_column: str) -> Dupli
         hits = [i for i, v in enumerate(values) if v is not None and _maybe_repeated(v, repeated)]
         if not hits:
             continue
-        texts = _texts(pf.read_row_group(group, columns=[text_column]).column(0)
+        texts = _texts(read_group(pf, layout.url, group, [text_column]).column(0)
                        .combine_chunks())
         for i in hits:
             if values[i] in kept:
@@ -283,9 +283,19 @@ def _id_groups(info: CorpusInfo, id_column: str
         pf = _open(layout.url)
         start = 0
         for group in range(pf.num_row_groups):
-            ids = pf.read_row_group(group, columns=[id_column]).column(0).combine_chunks()
+            ids = read_group(pf, layout.url, group, [id_column]).column(0).combine_chunks()
             yield layout, pf, group, start, ids
             start += len(ids)
+
+
+def read_group(pf: pq.ParquetFile, url: str, group: int, columns: list[str]) -> pa.Table:
+    """``columns`` of one row group; a damaged page is one line naming the file and group."""
+    try:
+        return pf.read_row_group(group, columns=columns)
+    except (OSError, pa.ArrowException) as exc:
+        raise CorpusError(
+            f"corrupt Parquet file {url}: row group {group} unreadable: {_line(exc)}"
+        ) from None
 
 
 def _open(url: str) -> pq.ParquetFile:
@@ -326,12 +336,7 @@ def read_shard(
     start = shard.offset
     target = arrow_id_type(id_type)
     for group in shard.groups:
-        try:
-            table = pf.read_row_group(group, columns=[id_column, text_column])
-        except (OSError, pa.ArrowException) as exc:
-            raise CorpusError(
-                f"corrupt Parquet file {shard.url}: row group {group} unreadable: {_line(exc)}"
-            ) from None
+        table = read_group(pf, shard.url, group, [id_column, text_column])
         ids = table.column(id_column).combine_chunks().cast(target)
         yield validate(ids, table.column(text_column).combine_chunks(), start, drop_rows)
         start += table.num_rows

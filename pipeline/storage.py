@@ -317,7 +317,7 @@ def read_json(url: str) -> dict:
     raw = read_bytes(url)
     try:
         return json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StorageError(f"{url} is not valid JSON: {exc}") from None
 
 

@@ -164,6 +164,22 @@ def test_bad_corpora_fail_before_any_work(tmp_path, tiny_model_dir, make, messag
     assert not (tmp_path / "out").exists()
 
 
+def test_a_damaged_page_behind_an_intact_footer_is_one_line(tmp_path, tiny_model_dir):
+    """The footer reads, a row group's id page does not: the duplicate-id scan raised
+    Arrow's OSError (a 64-line traceback from the CLI)."""
+    corpus = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"id": list(range(60)), "text": [text_for(i) for i in range(60)]}),
+                   corpus, row_group_size=20, compression="snappy")
+    column = pq.ParquetFile(corpus).metadata.row_group(1).column(0)
+    raw = bytearray(corpus.read_bytes())
+    raw[column.data_page_offset : column.data_page_offset + 40] = b"\xab" * 40
+    corpus.write_bytes(bytes(raw))
+    with pytest.raises(CorpusError, match=r"corrupt Parquet file .*c\.parquet: row group 1 "
+                                          r"unreadable: ") as info:
+        run_library(job(corpus, tmp_path / "out", tiny_model_dir))
+    assert "\n" not in str(info.value)
+
+
 def test_out_with_a_set_of_another_fingerprint_is_refused(tmp_path, tiny_model_dir):
     write_corpus(tmp_path / "a.parquet", list(range(30)), [text_for(i) for i in range(30)])
     run_library(job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir,

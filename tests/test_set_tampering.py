@@ -107,3 +107,12 @@ def test_sentinels_are_really_where_the_traversals_point(site):
     hashes = out / "sets" / "mean" / "_hashes" / "../../../../sentinel/evil.parquet"
     assert hashes.resolve() == site["tmp"] / "sentinel" / "evil.parquet"
     assert (out / "sets" / "mean" / "../../../sentinel/x.parquet").resolve().exists()
+
+
+def test_a_set_json_that_is_not_text_is_one_line(site, capsys):
+    """A ``_SET.json`` of bytes that are not UTF-8 (a PNG written over it) failed every command
+    with a UnicodeDecodeError traceback; like any file that is not JSON, it is one line."""
+    (site["out"] / "sets" / "mean" / "_SET.json").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    assert main(["index", str(site["out"]), "--set", "mean"]) != 0
+    err = one_line_error(capsys, "index")
+    assert "_SET.json is not valid JSON" in err, err
