@@ -55,11 +55,11 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
                           f"known: {', '.join(OPTIONS)}")
     chosen = {k: v for k, v in options.items() if v is not None}
     file = load_toml(config) if config else {}
-    encoder = dict(file.pop("encoder", {}))
-    for key in EncoderConfig.model_fields:  # [encoder] keys may stand at the top level too
-        if key in file:
-            encoder[key] = file.pop(key)
-    defined = {p.get("name"): _read_options(p) for p in file.pop("poolers", [])}
+    given = [k for k in ("corpus", "out") if k in file]
+    if given:
+        raise ConfigError(f"{config}: {' and '.join(given)} come(s) from the command line "
+                          "(CORPUS OUT), not the config file")
+    encoder, defined = _file_encoder(file, config), _file_poolers(file, config)
     encoder |= {k: chosen[k] for k in ENCODER_OPTIONS if k in chosen}
     window = {field: chosen[k] for k, field in WINDOW_OPTIONS.items() if k in chosen}
     if window:
@@ -79,6 +79,37 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
     return parse(EmbedJob, job, f"embedding job{f' ({config})' if config else ''}")
 
 
+def _file_encoder(file: dict, config: str | None) -> dict:
+    """The config file's ``[encoder]`` table with the encoder keys given at its top level
+    (taken out of ``file``); a key given in both places is refused."""
+    encoder = file.pop("encoder", {})
+    if not isinstance(encoder, dict):
+        raise ConfigError(f"{config}: encoder must be a table ([encoder]), not {encoder!r}")
+    encoder = dict(encoder)
+    for key in EncoderConfig.model_fields:
+        if key in file:
+            if key in encoder:
+                raise ConfigError(f"{config}: {key} is given both at the top level and in "
+                                  "[encoder]; keep one")
+            encoder[key] = file.pop(key)
+    return encoder
+
+
+def _file_poolers(file: dict, config: str | None) -> dict[str, dict]:
+    """The config file's ``[[poolers]]`` by name (taken out of ``file``), each checked."""
+    poolers = file.pop("poolers", [])
+    if not isinstance(poolers, list) or not all(isinstance(p, dict) for p in poolers):
+        raise ConfigError(f"{config}: poolers must be [[poolers]] tables, each with a name, "
+                          f"not {poolers!r}")
+    defined: dict[str, dict] = {}
+    for pooler in poolers:
+        name = pooler.get("name")
+        if name in defined:
+            raise ConfigError(f"{config}: [[poolers]] name {name!r} is defined twice")
+        defined[name] = _read_options(pooler)
+    return defined
+
+
 LAYER_OPTIONS = ("layers", "layer_combine", "layer_weights")
 
 
@@ -86,8 +117,6 @@ def _read_options(pooler: dict) -> dict:
     """``pooler`` as written in a config file, refused where it gives an option its strategy
     never reads (the set would carry it in its fingerprint, and its key a head's files, for
     nothing): a learned head reads the layers it was trained on, only it reads a head."""
-    if not isinstance(pooler, dict):
-        return pooler  # EmbedJob says what is wrong with it
     name, strategy = pooler.get("name"), pooler.get("strategy") or pooler.get("name")
     unread = ([k for k in LAYER_OPTIONS if k in pooler] if strategy == "learned"
               else ["head"] if "head" in pooler else [])

@@ -332,6 +332,29 @@ def test_flags_turn_off_what_the_config_file_turns_on(tmp_path):
     assert (job_.quarantine, job_.dedupe) == (True, True)
 
 
+@pytest.mark.parametrize("text, reason", [
+    ('poolers = "mean"', r"poolers must be \[\[poolers\]\] tables, each with a name"),
+    ("poolers = [1, 2]", r"poolers must be \[\[poolers\]\] tables"),
+    ('encoder = "x"', r"encoder must be a table \(\[encoder\]\), not 'x'"),
+    ('[[poolers]]\nname = "a"\nstrategy = "mean"\n[[poolers]]\nname = "a"\nstrategy = "cls"',
+     r"\[\[poolers\]\] name 'a' is defined twice"),
+    ("max_length = 48\n[encoder]\nmax_length = 32",
+     r"max_length is given both at the top level and in \[encoder\]; keep one"),
+    ('corpus = "elsewhere.parquet"', r"corpus come\(s\) from the command line"),
+])
+def test_a_config_file_of_the_wrong_shape_is_one_line(tmp_path, text, reason):
+    """Config files a user gets wrong: a traceback (AttributeError, ValueError) before, or
+    silently taken (the second pooler of a name kept, the top-level length winning, a corpus
+    key ignored)."""
+    from pipeline.assembly import build_job
+
+    config = tmp_path / "job.toml"
+    config.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=reason) as info:
+        build_job("c.parquet", "out", config=str(config))
+    assert str(info.value).startswith(f"{config}: ") and "\n" not in str(info.value)
+
+
 def test_indexing_a_set_that_is_not_there_leaves_out_untouched(tmp_path, capsys):
     """A mistyped OUT or set name: one line, and no OUT folder or lease files made for it."""
     from flows.cli import main
