@@ -92,14 +92,16 @@ def index(out: str, set_name: str | None = None, *, kind: str = "auto",
     """Catch up (or build) the index of one set, or of every set under ``out``, holding OUT's
     writer lease (``lease_wait``: seconds to wait for another writer)."""
     _installation()
-    from pipeline.index import IndexResult, parse_bytes
+    from pipeline.index import IndexResult, index_targets
 
-    parse_bytes(memory_budget)
+    out = _path(out, "out")
+    index_targets(out, set_name, kind, memory_budget, lease_wait)  # before any orchestration
     from flows.index import index_flow
 
     with _orchestration():
-        results = index_flow(_path(out, "out"), set_name, kind=kind, memory_budget=memory_budget,
-                             rebuild=rebuild, lease_wait=lease_wait, progress=progress)
+        results = index_flow(out, set_name, kind=kind, memory_budget=str(memory_budget),
+                             rebuild=bool(rebuild), lease_wait=float(lease_wait),
+                             progress=progress)
     return [IndexResult.model_validate(r) for r in results]
 
 

@@ -6,10 +6,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.progress import phase_printer
-from pipeline.index import IndexRequest, index_set, list_sets
-from pipeline.index.plan import parse_bytes
+from pipeline.index import IndexRequest, index_set, index_targets
 from pipeline.lease import writer_lease
-from pipeline.sets import SetFolder
 from pipeline.settings import load_settings
 
 
@@ -37,15 +35,8 @@ def index_flow(out: str, set_name: str | None = None, kind: str = "auto",
                lease_wait: float = 0.0, progress: bool = False) -> list[dict]:
     """Index one set, or every set under OUT, holding OUT's writer lease (waiting up to
     ``lease_wait`` s for another writer); returns each set's IndexResult as JSON."""
-    parse_bytes(memory_budget)  # a bad budget fails before any work
     load_settings().export_env()  # the lease's TTL, S3 endpoint: as this installation sets them
-    names = [set_name] if set_name else list_sets(out)
-    if set_name:
-        SetFolder(out, set_name).meta()  # a set not there fails in one line, OUT untouched
-    if not names:
-        from pipeline.errors import StorageError
-
-        raise StorageError(f"no sets under {out}/sets to index; run `embedpipe embed` first")
+    names = index_targets(out, set_name, kind, memory_budget, lease_wait)
     with writer_lease(out, "index", wait=lease_wait) as lease:
         results = []
         for name in names:

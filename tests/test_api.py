@@ -326,3 +326,24 @@ def test_the_dask_runner_keeps_the_terminal_quiet(tmp_path, tiny_model_dir, pref
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("embedded 20 rows")
     assert "distributed" not in done.stderr and " INFO " not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("options, reason", [
+    ({"lease_wait": -5}, "lease_wait -5 is not a number of seconds >= 0"),
+    ({"lease_wait": "soon"}, "lease_wait 'soon' is not a number of seconds >= 0"),
+    ({"lease_wait": float("nan")}, "lease_wait nan is not a number of seconds >= 0"),
+    ({"set_name": 5}, "set_name 5 is not a set's name"),
+    ({"kind": " "}, "index kind ' ' is not auto, flat, hnsw, ivf, ivfsq, ivfpq or a FAISS"),
+    ({"memory_budget": "lots"}, "memory budget 'lots' is not a size like 4GB"),
+])
+def test_index_options_are_checked_before_any_orchestration(tmp_path, monkeypatch, options,
+                                                            reason):
+    """Prefect's multi-line ParameterTypeError (after a temporary server started), or a
+    negative lease wait taken, before."""
+    def started():
+        raise AssertionError("orchestration started")
+
+    monkeypatch.setattr(embedpipe, "_orchestration", started)
+    with pytest.raises(embedpipe.EmbedpipeError, match=reason) as refused:
+        embedpipe.index(str(tmp_path / "out"), **options)
+    assert "\n" not in str(refused.value)

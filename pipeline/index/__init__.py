@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 _HOMES = {  # each name this package exports: the module it lives in
     "IndexRequest": "pipeline.index.build", "IndexResult": "pipeline.index.build",
-    "index_set": "pipeline.index.build", "IndexHandle": "pipeline.index.handle",
+    "index_set": "pipeline.index.build", "index_targets": "pipeline.index.build",
+    "IndexHandle": "pipeline.index.handle",
     "IndexPlan": "pipeline.index.plan", "parse_bytes": "pipeline.index.plan",
     "plan_index": "pipeline.index.plan", "IndexMeta": "pipeline.index.store",
     "index_url": "pipeline.index.store", "read_meta": "pipeline.index.store",

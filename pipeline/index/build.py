@@ -34,6 +34,7 @@ from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import (
     BATCH_ROWS,
+    NAMED_KINDS,
     QUERY_SAMPLE,
     IndexPlan,
     factory_for,
@@ -43,7 +44,7 @@ from pipeline.index.plan import (
 from pipeline.index.setdata import Part, SetVectors
 from pipeline.index.tune import tune
 from pipeline.lease import check_held
-from pipeline.sets import SetChanges, SetFolder, SetMeta
+from pipeline.sets import SetChanges, SetFolder, SetMeta, list_sets
 
 log = logging.getLogger("embedpipe.index")
 MAX_MASKED_SHARE = 0.2  # above this share of dead rows in an index that cannot delete: rebuild
@@ -63,6 +64,28 @@ class IndexRequest(BaseModel):
     queries: int = Field(default=QUERY_SAMPLE, gt=0)
     batch_rows: int = Field(default=BATCH_ROWS, gt=0)
     seed: int = 0
+
+
+def index_targets(out: str, set_name: str | None, kind: str, memory_budget: str | int,
+                  lease_wait: float) -> list[str]:
+    """The sets an `index` run works on, its options checked first (each a one-line error,
+    before any orchestration or lease): the named set, which must be there, or every set."""
+    parse_bytes(memory_budget)
+    if not isinstance(kind, str) or not kind.strip():
+        raise ConfigError(f"index kind {kind!r} is not auto, {', '.join(NAMED_KINDS)} or a "
+                          "FAISS factory string")
+    if isinstance(lease_wait, bool) or not isinstance(lease_wait, int | float) or not (
+            0 <= lease_wait < float("inf")):
+        raise ConfigError(f"lease_wait {lease_wait!r} is not a number of seconds >= 0")
+    if set_name is not None:
+        if not isinstance(set_name, str):
+            raise ConfigError(f"set_name {set_name!r} is not a set's name")
+        SetFolder(out, set_name).meta()  # a set not there fails in one line, OUT untouched
+        return [set_name]
+    names = list_sets(out)
+    if not names:
+        raise StorageError(f"no sets under {out}/sets to index; run `embedpipe embed` first")
+    return names
 
 
 class IndexResult(BaseModel):
