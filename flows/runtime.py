@@ -64,7 +64,10 @@ def use_local_server() -> str | None:
     if os.environ.get(MODE_ENV) != "local" or _configured_api_url():
         return None
     root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no cache to record a server in: Prefect's own temporary one, slower
+        return None
     with _locked(root / "prefect-server.lock"):
         url = _healthy_record(root / RECORD)
         if url is None:

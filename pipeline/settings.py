@@ -120,10 +120,7 @@ def _merge_missing(job: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
 def cache_root() -> Path:
     """Where embedpipe caches what it measured or computed (CPU probe, model hashes, remote
     indexes, the CLI's Prefect server record): ``EMBEDPIPE_CACHE``, else ~/.cache/embedpipe."""
-    root = Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"embedpipe's cache {root} (EMBEDPIPE_CACHE) is a file, not a folder")
-    return root
+    return Path(os.environ.get("EMBEDPIPE_CACHE", Path.home() / ".cache" / "embedpipe"))
 
 
 def write_cache(path: Path, payload: object) -> None:

@@ -3,7 +3,6 @@ interpreter's teardown of modules and objects (~1 s with torch and a model loade
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,19 +48,3 @@ def test_a_bad_flag_is_one_line_too() -> None:
                            "--pooler (see embedpipe backfill --help)\n")
     assert done.stdout.splitlines() == ["later exit hooks ran", "teardown ran"]
 
-
-def test_a_cache_setting_naming_a_file_is_one_line(tmp_path: Path) -> None:
-    """EMBEDPIPE_CACHE naming a file: a 26-line FileExistsError traceback before."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    cache = tmp_path / "cache"
-    cache.write_text("not a folder")
-    pq.write_table(pa.table({"id": [1], "text": ["a"]}), tmp_path / "c.parquet")
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "embed", str(tmp_path / "c.parquet"),
-                           str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ,
-                                            "EMBEDPIPE_CACHE": str(cache)})
-    assert done.returncode == 1
-    assert done.stderr == (f"embedpipe embed: error: embedpipe's cache {cache} (EMBEDPIPE_CACHE) "
-                           "is a file, not a folder\n")

@@ -200,3 +200,12 @@ def test_schedule_without_a_server_that_schedules_is_refused_in_one_line(tmp_pat
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "schedule needs a Prefect server that runs its scheduler" in lines[0]
     assert not (tmp_path / "cache" / "prefect-server.json").exists()  # nothing started
+
+
+def test_a_cache_that_is_a_file_runs_without_the_reused_server(tmp_path: Path) -> None:
+    """EMBEDPIPE_CACHE naming a file (no folder for the server's record): the run goes on with
+    Prefect's own temporary server, as any cache that cannot be written only costs time (a
+    FileExistsError traceback before)."""
+    env = _env(tmp_path, EMBEDPIPE_PREFECT_SERVER="local")
+    Path(env["EMBEDPIPE_CACHE"]).write_text("a file")
+    assert _call(env) == "None"
