@@ -261,8 +261,17 @@ def inherit_encoder(job: dict) -> dict:
 
 
 def check_input(job: EmbedJob) -> None:
-    """The checks that need no model and no orchestration: the corpus exists, is Parquet and
-    has the id and text columns. Run before a flow starts, so bad input fails in seconds."""
+    """The checks that need no model and no orchestration: the poolers are known ones, the
+    dtype runs on the device (where this machine runs the job: not a Dask cluster's), the
+    corpus exists, is Parquet and has the id and text columns. Run before a flow starts, so
+    bad input fails in seconds."""
     from pipeline.corpus import describe
+    from pipeline.poolers.base import pooler_class
 
+    for spec in job.poolers:
+        pooler_class(spec)
+    if job.runner != "dask":
+        from pipeline.precision import check_dtype, choose_device
+
+        check_dtype(job.encoder.dtype, choose_device(job.encoder.device))
     describe(job.corpus, job.id_column, job.text_column, job.out)

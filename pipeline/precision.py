@@ -58,13 +58,8 @@ class DtypeCheck:
         return self.cosine >= MIN_COSINE and self.speedup >= MIN_SPEEDUP
 
 
-def choose_dtype(dtype: str, device: torch.device, check: Callable[[str], DtypeCheck],
-                 model_key: str) -> str:
-    """Resolve ``auto`` by hardware and ``check(candidate)``; validate explicit choices.
-
-    ``check`` is only called for ``auto`` on hardware whose half dtype has a fast path, and
-    once per ``model_key`` (the model's hash and attention kernel), machine and torch version.
-    """
+def check_dtype(dtype: str, device: torch.device) -> None:
+    """An explicit dtype that has no path on ``device`` is refused in one line."""
     on_cuda = device.type == "cuda"
     if dtype == "fp16" and not on_cuda:
         raise ConfigError("dtype fp16 needs a CUDA device; use bf16 or fp32 on a CPU")
@@ -72,9 +67,19 @@ def choose_dtype(dtype: str, device: torch.device, check: Callable[[str], DtypeC
         raise ConfigError("dtype int8 is a CPU path; use bf16 or fp16 on a CUDA device")
     if dtype == "bf16" and not on_cuda and not cpu_profile()["bf16_ok"]:
         raise ConfigError("dtype bf16 does not run on this CPU; use fp32")
+
+
+def choose_dtype(dtype: str, device: torch.device, check: Callable[[str], DtypeCheck],
+                 model_key: str) -> str:
+    """Resolve ``auto`` by hardware and ``check(candidate)``; validate explicit choices.
+
+    ``check`` is only called for ``auto`` on hardware whose half dtype has a fast path, and
+    once per ``model_key`` (the model's hash and attention kernel), machine and torch version.
+    """
+    check_dtype(dtype, device)
     if dtype != "auto":
         return dtype
-    if on_cuda:
+    if device.type == "cuda":
         candidate = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     elif cpu_bf16_is_faster():
         candidate = "bf16"

@@ -146,12 +146,17 @@ def registered(strategy: str) -> type[Pooler] | None:
     return REGISTRY.get(strategy)
 
 
-def build_pooler(spec: PoolerSpec, info: EncoderInfo, parts: ModelParts | None = None) -> Pooler:
-    """The pooler for ``spec``, validated against the encoder it will run on."""
+def pooler_class(spec: PoolerSpec) -> type[Pooler]:
+    """The class of ``spec``'s strategy; an unknown one is refused, listing the known ones."""
     cls = registered(spec.strategy or spec.name)
     if cls is None:
         raise ConfigError(
-            f"unknown pooler {spec.strategy!r} for set {spec.name!r}; "
+            f"unknown pooler {spec.strategy or spec.name!r} for set {spec.name!r}; "
             f"known: {', '.join(sorted(REGISTRY))}"
         )
-    return cls(spec, info, parts)
+    return cls
+
+
+def build_pooler(spec: PoolerSpec, info: EncoderInfo, parts: ModelParts | None = None) -> Pooler:
+    """The pooler for ``spec``, validated against the encoder it will run on."""
+    return pooler_class(spec)(spec, info, parts)
