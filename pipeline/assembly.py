@@ -266,6 +266,14 @@ def check_input(job: EmbedJob) -> None:
     corpus exists, is Parquet and has the id and text columns. Run before a flow starts, so
     bad input fails in seconds."""
     from pipeline.corpus import describe
+
+    check_poolers_and_dtype(job)
+    describe(job.corpus, job.id_column, job.text_column, job.out)
+
+
+def check_poolers_and_dtype(job: EmbedJob) -> None:
+    """Each set's pooler is a known one; the device, and the dtype on it, are there (where
+    this machine runs the job: not a Dask cluster's, whose machines may differ)."""
     from pipeline.poolers.base import pooler_class
 
     for spec in job.poolers:
@@ -274,4 +282,14 @@ def check_input(job: EmbedJob) -> None:
         from pipeline.precision import check_dtype, choose_device
 
         check_dtype(job.encoder.dtype, choose_device(job.encoder.device))
-    describe(job.corpus, job.id_column, job.text_column, job.out)
+
+
+def check_runs(job: EmbedJob) -> None:
+    """What the model load of every run of ``job`` would refuse, checked without loading
+    the model (a schedule's, before it is served): the job resolved as a run resolves it
+    (``EMBEDPIPE_*`` settings, OUT's sets), its model's files, then its poolers and dtype."""
+    from pipeline.models.loader import read_model_files, refuse_remote_code
+
+    spec = resolve_job(job_params(job))
+    refuse_remote_code(read_model_files(spec.encoder.model), spec.encoder.trust_remote_code)
+    check_poolers_and_dtype(spec)

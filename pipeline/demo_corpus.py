@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from pipeline.errors import ConfigError
+
 SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "__pycache__"}
 
 
@@ -40,6 +42,8 @@ def stdlib_docstrings(limit: int | None = None, min_chars: int = 40) -> pa.Table
     With ``limit``, that many rows spread evenly over the whole library, so a small demo
     still spans many modules.
     """
+    if limit is not None and limit < 1:
+        raise ConfigError(f"the demo corpus needs at least 1 row, got {limit}")
     root = Path(sysconfig.get_paths()["stdlib"])
     ids, names, texts = [], [], []
     seen: set[str] = set()

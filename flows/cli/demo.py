@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from pathlib import Path
 
 QUERIES = (
     "read a CSV file row by row",
@@ -34,13 +35,15 @@ def run_demo(args: argparse.Namespace) -> int:
     from pipeline import storage
     from pipeline.demo_corpus import stdlib_docstrings
 
+    _check_flags(args)
     root = args.out or tempfile.mkdtemp(prefix="embedpipe-demo-")
     corpus, out = storage.join(root, "corpus", "stdlib.parquet"), storage.join(root, "out")
+    names = args.pooler or ["mean", "cls"]
+    _check_sets(corpus, out, names)
     started = time.perf_counter()
     table = stdlib_docstrings(limit=args.rows)
     storage.write_parquet(corpus, table, row_group_size=250)
     print(f"corpus: {table.num_rows} docstrings of the Python standard library -> {corpus}")
-    names = args.pooler or ["mean", "cls"]
     _embed_and_index(corpus, out, names)
     titles = dict(zip(table.column("id").to_pylist(), table.column("name").to_pylist(),
                       strict=True))
@@ -48,6 +51,41 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"demo finished in {time.perf_counter() - started:.0f} s; explore it with "
           f"`embedpipe query {out} \"your question\" --set {names[0]}`")
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """--rows, -k and --out, before the corpus is built (seconds) and embedded."""
+    from pipeline.errors import ConfigError
+    from pipeline.ranking import check_k
+
+    if args.rows < 1:
+        raise ConfigError(f"--rows must be at least 1, got {args.rows}")
+    check_k(args.k)
+    if args.out:
+        _check_folder(args.out)
+
+
+def _check_folder(root: str) -> None:
+    """A local --out that is a file, or lies under one, cannot hold the demo's folders."""
+    from pipeline import storage
+    from pipeline.errors import StorageError
+
+    if storage.is_remote(root):
+        return
+    path = Path(root.removeprefix("file://"))
+    with storage.explained(root, "check"):
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            raise StorageError(f"cannot use --out {root}: {existing} is a file, not a folder")
+
+
+def _check_sets(corpus: str, out: str, names: list[str]) -> None:
+    """The sets' names (valid, none twice) and what their model load would refuse (an
+    unknown pooler), before the corpus is built: the job ``embed`` will run, less the
+    corpus, which does not exist yet."""
+    from pipeline.assembly import build_job, check_runs
+
+    check_runs(build_job(corpus, out, poolers=names))
 
 
 def _embed_and_index(corpus: str, out: str, names: list[str]) -> None:

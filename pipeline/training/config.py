@@ -57,7 +57,7 @@ class TrainConfig(BaseModel):
     memory_budget: int = Field(default=2 * 10**9, gt=0)
     cache_dtype: CacheDType = "auto"
     k: int = Field(default=10, gt=0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)  # numpy seeds are non-negative
 
     @field_validator("memory_budget", mode="before")
     @classmethod

@@ -1,0 +1,67 @@
+"""`embedpipe schedule` input refused in one line before anything is served: what would fail
+every scheduled run at its model's load (an unknown pooler, a dtype the device cannot run), a
+bad --cron or --name each named as itself, and a Prefect server that does not answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+UNREACHABLE = "http://127.0.0.1:1/api"  # port 1: nothing listens there
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "c.parquet"
+    pq.write_table(pa.table({"id": list(range(20)), "text": [f"text {i}" for i in range(20)]}),
+                   path)
+    return path
+
+
+def _schedule(corpus: Path, out: Path, model: Path, *flags: str) -> tuple[int, list[str]]:
+    env = {**os.environ, "PREFECT_API_URL": UNREACHABLE}
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "schedule", str(corpus), str(out),
+         "--model", str(model), *flags],
+        env=env, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize(("flags", "problem"), [
+    (["--pooler", "nosuch"], "unknown pooler 'nosuch' for set 'nosuch'; known: "),
+    (["--dtype", "fp16", "--device", "cpu"], "dtype fp16 needs a CUDA device"),
+    (["--cron", "not a cron"], "invalid schedule --cron 'not a cron': not a valid cron"),
+    (["--cron", "61 2 * * *"], "invalid schedule --cron '61 2 * * *': not a valid cron"),
+    (["--name", ""], "invalid deployment --name '': "),
+    (["--name", "a/b"], "invalid deployment --name 'a/b': "),
+])
+def test_bad_input_is_refused_before_the_server_is_asked(
+        corpus: Path, tiny_model_dir: Path, tmp_path: Path, flags: list[str],
+        problem: str) -> None:
+    """Each is found first: none of these reaches the (unreachable) server."""
+    code, err = _schedule(corpus, tmp_path / "out", tiny_model_dir, "--cron", "0 2 * * *",
+                          *flags)
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("embedpipe schedule: error: ") and problem in err[0]
+    assert UNREACHABLE not in err[0]
+
+
+def test_a_bad_name_is_not_blamed_on_the_cron(corpus: Path, tiny_model_dir: Path,
+                                              tmp_path: Path) -> None:
+    code, err = _schedule(corpus, tmp_path / "out", tiny_model_dir, "--cron", "0 2 * * *",
+                          "--name", "")
+    assert code == 1 and len(err) == 1 and "--cron" not in err[0], err
+
+
+def test_an_unreachable_server_is_one_line_naming_its_url(corpus: Path, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    code, err = _schedule(corpus, tmp_path / "out", tiny_model_dir, "--cron", "0 2 * * *")
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("embedpipe schedule: error: cannot reach the Prefect server at "
+                             f"{UNREACHABLE}")
