@@ -300,6 +300,19 @@ def _last_written(path: str, is_dir: bool) -> float:
     return max(times)
 
 
+def check_folder(url: str, what: str) -> None:
+    """``url`` can become a folder: a local path that is a file, or lies under one, is one
+    line naming ``what`` it is for (before any work that would end writing there)."""
+    if is_remote(url):
+        return
+    path = Path(url.removeprefix("file://"))
+    with explained(url, "check"):
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            raise StorageError(f"cannot use {url} for {what}: {existing} is a file, not a "
+                               "folder")
+
+
 def _sync_folder(folder: str) -> None:
     """fsync ``folder`` (its entries: the rename). A file system that cannot sync a folder
     (EINVAL, ENOTSUP: some FUSE and network mounts) offers no such durability to keep."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from pathlib import Path
 
 QUERIES = (
     "read a CSV file row by row",
@@ -55,6 +54,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """--rows, -k and --out, before the corpus is built (seconds) and embedded."""
+    from pipeline import storage
     from pipeline.errors import ConfigError
     from pipeline.ranking import check_k
 
@@ -62,21 +62,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--rows must be at least 1, got {args.rows}")
     check_k(args.k)
     if args.out:
-        _check_folder(args.out)
-
-
-def _check_folder(root: str) -> None:
-    """A local --out that is a file, or lies under one, cannot hold the demo's folders."""
-    from pipeline import storage
-    from pipeline.errors import StorageError
-
-    if storage.is_remote(root):
-        return
-    path = Path(root.removeprefix("file://"))
-    with storage.explained(root, "check"):
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        if not existing.is_dir():
-            raise StorageError(f"cannot use --out {root}: {existing} is a file, not a folder")
+        storage.check_folder(args.out, "the demo's folders (--out)")
 
 
 def _check_sets(corpus: str, out: str, names: list[str]) -> None:

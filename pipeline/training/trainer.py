@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +22,7 @@ from pydantic import ValidationError
 
 from pipeline import storage
 from pipeline.encoder import Encoder, EncoderInfo
-from pipeline.errors import ConfigError, CorpusError, StorageError
+from pipeline.errors import ConfigError, CorpusError
 from pipeline.head_files import HeadConfig
 from pipeline.poolers.heads import PoolingHead, save_head
 from pipeline.training.cache import StateCache, build_cache, row_bytes, row_lengths
@@ -60,7 +59,7 @@ class TrainResult:
 def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
     """Train, pick the best epoch on the held-out split, save the head under ``cfg.out``."""
     log = log or (lambda _msg: None)
-    _check_out(cfg.out)
+    storage.check_folder(cfg.out, "the head (HEAD_OUT)")
     pairs = read_pairs(cfg.pairs, cfg.query_column, cfg.text_column, cfg.group_column)
     train_rows, val_rows = _choose_rows(pairs, cfg)
     encoder = Encoder(cfg.encoder)
@@ -87,19 +86,6 @@ def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
         "metrics": metrics,
     })
     return TrainResult(head.eval(), metrics, history)
-
-
-def _check_out(url: str) -> None:
-    """``url`` can become the head's folder: a local path that is a file, or lies under one,
-    is refused before any encoding (saving the head would fail only after training)."""
-    if storage.is_remote(url):
-        return
-    path = Path(url.removeprefix("file://"))
-    with storage.explained(url, "check"):
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        if not existing.is_dir():
-            raise StorageError(f"cannot write the head under {url}: {existing} is a file, "
-                               "not a folder")
 
 
 def _cache_record(train_cache: StateCache, val_cache: StateCache, encode_s: float) -> dict:
