@@ -261,19 +261,19 @@ def inherit_encoder(job: dict) -> dict:
 
 
 def check_input(job: EmbedJob) -> None:
-    """The checks that need no model and no orchestration: the poolers are known ones, the
-    dtype runs on the device (where this machine runs the job: not a Dask cluster's), the
-    corpus exists, is Parquet and has the id and text columns. Run before a flow starts, so
-    bad input fails in seconds."""
+    """The checks that need no model, no orchestration and no torch (a rerun with nothing to
+    do imports none): the corpus exists, is Parquet and has the id and text columns. Run
+    before a flow starts, so bad input fails in seconds. (The poolers and dtype, whose checks
+    import torch, are checked at the model's load, or by ``check_runs`` for a schedule.)"""
     from pipeline.corpus import describe
 
-    check_poolers_and_dtype(job)
     describe(job.corpus, job.id_column, job.text_column, job.out)
 
 
 def check_poolers_and_dtype(job: EmbedJob) -> None:
     """Each set's pooler is a known one; the device, and the dtype on it, are there (where
-    this machine runs the job: not a Dask cluster's, whose machines may differ)."""
+    this machine runs the job: not a Dask cluster's, whose machines may differ). Imports
+    torch."""
     from pipeline.poolers.base import pooler_class
 
     for spec in job.poolers:
