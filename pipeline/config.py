@@ -11,7 +11,7 @@ import json
 import math
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -148,6 +148,9 @@ class EncoderConfig(_Strict):
         return self
 
 
+LeaseWait = Annotated[float, Field(ge=0)]  # seconds to wait for another writer of OUT
+
+
 class EmbedJob(_Strict):
     """An embedding job over a corpus: what ``embedpipe embed`` and ``backfill`` run."""
 
@@ -168,7 +171,7 @@ class EmbedJob(_Strict):
     dask_address: str | None = None
     quarantine: bool = False
     dedupe: bool = False
-    lease_wait: float = Field(default=0, ge=0)  # seconds to wait for another writer of OUT
+    lease_wait: LeaseWait = 0
 
     @model_validator(mode="after")
     def _default_set(self) -> EmbedJob:

@@ -44,8 +44,8 @@ def describe(url: str, id_column: str, text_column: str, out: str | None = None
              ) -> CorpusInfo:
     """Open every file's footer, check columns and id types; fail with one line if unusable
     (or if ``out``, the run's OUT, lies inside the corpus: see ``_apart``)."""
-    urls = storage.expand_parquet(url)
     pattern = storage.is_pattern(url)  # on S3 a request: asked once
+    urls = storage.expand_parquet(url, pattern)
     root = _root_path(url, pattern)
     if out is not None:
         _apart(url, urls, out, pattern)

@@ -19,7 +19,6 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -29,7 +28,6 @@ from pipeline.batching import slice_length, slice_rows, text_lengths, token_budg
 from pipeline.config import EncoderConfig, PoolerSpec, WindowAgg, stable_hash
 from pipeline.data import EmbeddingBatch, TextBatch
 from pipeline.encoder import Encoder, EncoderInfo, Prompt
-from pipeline.errors import ConfigError
 from pipeline.poolers import Pooler, build_pooler
 from pipeline.stages import prefetch
 from pipeline.stats import ShardStats
@@ -74,9 +72,7 @@ class Embedder:
         # every pooler reads the last layer's first tokens alone: the forward computes those
         self.first_token_only = (self.layers == {self.info.num_layers} and not self.attention
                                  and all(p.first_token_only for p in self.poolers.values()))
-        if encoder.window:
-            self._check_window(encoder.window.size, encoder.window.stride,
-                               self.encoder.document_prompt)
+        self.encoder.check_window(self.encoder.document_prompt)
         self._check_row_tokens()
 
     def _check_row_tokens(self) -> None:
@@ -87,25 +83,6 @@ class Embedder:
         source = f"window size {tokens}" if window else f"max_length {tokens}"
         for pooler in self.poolers.values():
             pooler.check_row_tokens(tokens, source)
-
-    def _check_window(self, size: int, stride: int, prompt: Prompt) -> None:
-        if size > self.encoder.max_length:
-            raise ConfigError(f"window size {size} is above max_length {self.encoder.max_length}")
-        left = size - len(self.encoder.prefix) - len(self.encoder.suffix) - len(prompt.ids)
-        if left < stride:
-            raise ConfigError(
-                f"window size {size} leaves {left} tokens after the special tokens and the "
-                f"prompt {prompt.text!r}: fewer than the stride {stride}"
-            )
-
-    @cached_property
-    def query_prompt(self) -> Prompt:
-        """The model's query prompt, checked when queries first need it (``query``, ``serve``
-        and ``eval`` ask at load): one with no room for text refuses queries, not documents."""
-        prompt = self.encoder.query_prompt
-        if self.cfg.window:
-            self._check_window(self.cfg.window.size, self.cfg.window.stride, prompt)
-        return prompt
 
     def dims(self) -> dict[str, int]:
         return {name: pooler.dim for name, pooler in self.poolers.items()}
@@ -187,7 +164,7 @@ class Embedder:
 
     def encode_queries(self, texts: Sequence[str], set_name: str | None = None) -> np.ndarray:
         """Query vectors of ``texts`` (with the model's query prompt) for one set."""
-        return self._encode(texts, set_name, self.query_prompt)
+        return self._encode(texts, set_name, self.encoder.query_prompt)
 
     def _encode(self, texts: Sequence[str], set_name: str | None, prompt: Prompt) -> np.ndarray:
         """Vectors of ``texts`` in slices of ``slice_rows``: a thread tokenizes the next slice

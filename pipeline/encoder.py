@@ -131,7 +131,7 @@ class Encoder:
 
     def _read_tokenizer(self) -> None:
         """Lengths, special tokens, the id tokenizer (and its worker pool) and the prompts."""
-        self.max_length = self._max_length(loader.max_length)
+        self.max_length = self._max_length()
         self.prefix, self.suffix = list(self.tokenizer.prefix), list(self.tokenizer.suffix)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self._ids = self.tokenizer.ids_tokenizer()
@@ -147,9 +147,26 @@ class Encoder:
 
     @cached_property
     def query_prompt(self) -> Prompt:
-        """The query prompt, measured when queries first need it: a query prompt with no
-        room for text refuses queries, not the model's documents."""
-        return self._prompt(self.query_prompt_text, "query_prompt")
+        """The query prompt, checked when queries first need it (``query``, ``serve`` and
+        ``eval`` ask at a set's load): one with no room for text, or for a window's stride,
+        refuses queries, not the model's documents."""
+        return self.check_window(self._prompt(self.query_prompt_text, "query_prompt"))
+
+    def check_window(self, prompt: Prompt) -> Prompt:
+        """``prompt``, refused where the job's window leaves fewer tokens than its stride after
+        the special tokens and the prompt."""
+        window = self.cfg.window
+        if window is None:
+            return prompt
+        if window.size > self.max_length:
+            raise ConfigError(f"window size {window.size} is above max_length {self.max_length}")
+        left = window.size - len(self.prefix) - len(self.suffix) - len(prompt.ids)
+        if left < window.stride:
+            raise ConfigError(
+                f"window size {window.size} leaves {left} tokens after the special tokens and "
+                f"the prompt {prompt.text!r}: fewer than the stride {window.stride}"
+            )
+        return prompt
 
     def _settle_precision(self) -> None:
         """The dtype (``auto`` measured on the eager model), batch limits, the model hash, then
@@ -315,11 +332,11 @@ class Encoder:
         return calibration_batches(int(config.vocab_size), facts.all_special_ids, facts.prefix,
                                    facts.suffix, longest)
 
-    def _max_length(self, model_limit) -> int:
+    def _max_length(self) -> int:
         """The job's max_length, else the model's own (``loader.max_length``)."""
         config = self.model.config
         if not self.cfg.max_length:
-            return int(model_limit(self.files, self.tokenizer, config))
+            return int(loader.max_length(self.files, self.tokenizer, config))
         usable = loader.usable_positions(config)
         if self.cfg.max_length > usable:
             skipped = loader.position_offset(config)

@@ -89,7 +89,7 @@ class QueryEncoder:
         encoder = parse(EncoderConfig, stored, f"the encoder of set {info.name!r}")
         spec = parse(PoolerSpec, info.pooler, f"the pooler of set {info.name!r}")
         self.embedder = get_embedder(encoder, [spec])
-        self.embedder.query_prompt  # noqa: B018 -- a query prompt with no room fails at load
+        _ = self.embedder.encoder.query_prompt  # one with no room fails here, at the load
         made = self.embedder.fingerprint(spec.name)
         if made != info.fingerprint:
             raise FingerprintError(

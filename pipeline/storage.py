@@ -412,14 +412,14 @@ def _as_url(base_url: str, found: str) -> str:
     return f"{scheme}://{found.lstrip('/')}"
 
 
-def expand_parquet(url: str) -> list[str]:
+def expand_parquet(url: str, pattern: bool | None = None) -> list[str]:
     """A corpus given as a file, a folder or a glob, as a sorted list of Parquet file URLs.
 
     In a folder, files and sub-folders whose names start with ``.`` or ``_`` are skipped
-    (markers, temporary files).
+    (markers, temporary files). ``pattern``: ``is_pattern(url)`` where the caller asked it.
     """
     fs, path = filesystem(url)
-    pattern = is_pattern(url)
+    pattern = is_pattern(url) if pattern is None else pattern
     with explained(url, "list"):
         if pattern:
             found = [p for p in fs.glob(path) if fs.isfile(p)]

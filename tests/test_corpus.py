@@ -252,3 +252,17 @@ def test_duplicates_among_large_unsigned_ids(tmp_path):
     pq.write_table(pa.table({"id": ids, "text": ["a"] * 4}), tmp_path / "a.parquet")
     dupes = find_duplicates(describe(str(tmp_path / "a.parquet"), "id", "text"), "id", "text")
     assert dupes.rows == 1 and dupes.drop == {"a.parquet": [2]}
+
+
+def test_describe_asks_once_whether_the_corpus_url_is_a_glob(tmp_path, monkeypatch):
+    """On S3 the question is a request: describe asks it once and hands the answer on."""
+    from pipeline import corpus, storage
+
+    asked = []
+    real = storage.is_pattern
+    monkeypatch.setattr(storage, "is_pattern", lambda url: asked.append(url) or real(url))
+    folder = tmp_path / "run [1]"
+    folder.mkdir()
+    pq.write_table(pa.table({"id": [1, 2], "text": ["a", "b"]}), folder / "a.parquet")
+    info = corpus.describe(str(folder), "id", "text", str(tmp_path / "out"))
+    assert [f.name for f in info.files] == ["a.parquet"] and asked == [str(folder)]

@@ -23,9 +23,10 @@ import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pipeline import storage
+from pipeline.config import LeaseWait
 from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.index import setdata, store
@@ -74,9 +75,10 @@ def index_targets(out: str, set_name: str | None, kind: str, memory_budget: str 
     if not isinstance(kind, str) or not kind.strip():
         raise ConfigError(f"index kind {kind!r} is not auto, {', '.join(NAMED_KINDS)} or a "
                           "FAISS factory string")
-    if isinstance(lease_wait, bool) or not isinstance(lease_wait, int | float) or not (
-            0 <= lease_wait < float("inf")):
-        raise ConfigError(f"lease_wait {lease_wait!r} is not a number of seconds >= 0")
+    try:
+        TypeAdapter(LeaseWait).validate_python(lease_wait, strict=True)  # as an embed job's
+    except ValidationError:
+        raise ConfigError(f"lease_wait {lease_wait!r} is not a number of seconds >= 0") from None
     if set_name is not None:
         if not isinstance(set_name, str):
             raise ConfigError(f"set_name {set_name!r} is not a set's name")

@@ -14,7 +14,6 @@ from pipeline.ranking import MAX_K
 
 MAX_QUERY_CHARS = 10_000
 MAX_BATCH = 256
-KEY_ENV = API_KEY_ENV
 KEY_FILE_ENV = "EMBEDPIPE_API_KEY_FILE"
 
 
@@ -50,16 +49,16 @@ def api_key(key_file: str | None = None, env: Mapping[str, str] = os.environ) ->
     unreadable file is an error, never "no authentication".
     """
     key_file = key_file or env.get(KEY_FILE_ENV) or None
-    if key_file and env.get(KEY_ENV):
-        raise ConfigError(f"both {KEY_ENV} and an API key file ({key_file}) are set; use one")
+    if key_file and env.get(API_KEY_ENV):
+        raise ConfigError(f"both {API_KEY_ENV} and an API key file ({key_file}) are set; use one")
     if key_file:
         try:
             key = Path(key_file).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read the API key file {key_file}: {exc}") from None
         where = f"API key file {key_file}"
-    elif KEY_ENV in env:
-        key, where = env[KEY_ENV].strip(), KEY_ENV
+    elif API_KEY_ENV in env:
+        key, where = env[API_KEY_ENV].strip(), API_KEY_ENV
     else:
         return None
     if not key:
