@@ -59,6 +59,7 @@ def describe(url: str, id_column: str, text_column: str, out: str | None = None
                 f"(its columns: {', '.join(schema.names)}); pass --id-column/--text-column"
             )
         id_types[file_url] = _id_type(schema.field(id_column).type, file_url, id_column)
+        _check_text_type(schema.field(text_column).type, file_url, text_column)
         if id_types[file_url] == pa.uint64() and not _signed_ids_fit(meta, id_column):
             unsigned.append(file_url)
         groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
@@ -159,6 +160,18 @@ def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
     raise CorpusError(
         f"id column {column!r} of {file_url} is {dtype}; ids must be integers or strings"
     )
+
+
+def _check_text_type(dtype: pa.DataType, file_url: str, column: str) -> None:
+    """A text column holds text, however it is stored (``plain_text``): strings, or binary
+    read as UTF-8 row by row (a row that is not is skipped). Any other type (numbers, lists,
+    an all-null column) would skip every row and leave an empty set."""
+    if pa.types.is_dictionary(dtype):
+        dtype = dtype.value_type
+    if not (_is_text(dtype) or pa.types.is_string_view(dtype) or pa.types.is_binary(dtype)
+            or pa.types.is_large_binary(dtype) or pa.types.is_binary_view(dtype)):
+        raise CorpusError(f"{file_url}: text column {column!r} is {dtype}, not text; pass "
+                          "--text-column naming a string column")
 
 
 def _root_path(url: str, pattern: bool) -> str:

@@ -64,6 +64,19 @@ def test_text_that_is_not_a_string_is_skipped():
     assert numbers.skipped_reasons == ["not_string", "not_string"] and not numbers.texts
 
 
+@pytest.mark.parametrize("column", [pa.array([5, 6]), pa.array([["a"], ["b"]]),
+                                    pa.array([None, None], pa.null())])
+def test_a_text_column_that_cannot_hold_text_is_refused_up_front(tmp_path, column):
+    # every row would be skipped and the run leave an empty set, reported as a success
+    path = str(tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": [1, 2], "body": column}), path)
+    with pytest.raises(CorpusError, match=r"text column 'body' is .*, not text") as err:
+        describe(path, "id", "body")
+    assert "\n" not in str(err.value) and "a.parquet" in str(err.value)
+    pq.write_table(pa.table({"id": [1, 2], "body": [b"hello", b"world"]}), path)
+    assert describe(path, "id", "body").rows == 2  # binary is read as UTF-8, row by row
+
+
 TEXT_ENCODINGS = {
     "dictionary": lambda p, t: pq.write_table(
         pa.table({"id": [1, 2, 3, 4], "text": pa.array(t).dictionary_encode()}), p),
