@@ -192,6 +192,13 @@ class EmbedJob(_Strict):
             raise ValueError("at least one pooler is needed")
         return self
 
+    @model_validator(mode="after")
+    def _dask_address_with_dask(self) -> EmbedJob:
+        if self.dask_address is not None and self.runner != "dask":
+            raise ValueError(f"a Dask scheduler address is for runner 'dask', not "
+                             f"{self.runner!r} (add --runner dask)")
+        return self
+
 
 def parse(model: type[BaseModel], data: dict, source: str) -> BaseModel:
     """Validate ``data`` into ``model``; a failure becomes one ConfigError line naming fields."""

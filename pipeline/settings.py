@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -49,6 +49,13 @@ class Settings(BaseSettings):
     cache: Path | None = None  # hardware probe cache; default ~/.cache/embedpipe
     lease_ttl: float | None = Field(default=None, ge=0.5, le=86_400)  # writer lease, s (60)
 
+    @field_validator("dask_address")
+    @classmethod
+    def _dask_address_with_dask(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("runner") != "dask":
+            raise ValueError("a Dask scheduler address needs runner dask (EMBEDPIPE_RUNNER)")
+        return value
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -76,8 +83,13 @@ class Settings(BaseSettings):
         return job
 
     def apply_to_job(self, job: dict[str, Any]) -> dict[str, Any]:
-        """``job`` with every field it leaves out (or sets to None) taken from these settings."""
-        return _merge_missing(job, self.job_defaults())
+        """``job`` with every field it leaves out (or sets to None) taken from these settings;
+        their Dask address only where the job runs on Dask (a job that picks another runner
+        leaves the installation's cluster alone)."""
+        defaults = self.job_defaults()
+        if job.get("runner") not in (None, "dask"):
+            defaults.pop("dask_address", None)
+        return _merge_missing(job, defaults)
 
     def export_env(self) -> None:
         """Put file-given values that other modules read from the environment into it."""

@@ -112,6 +112,23 @@ def test_settings_bad_values_fail_with_one_line(tmp_path, monkeypatch):
         load_settings()
 
 
+def test_a_dask_address_is_taken_only_with_the_dask_runner(monkeypatch):
+    for var in ("EMBEDPIPE_RUNNER", "EMBEDPIPE_DASK_ADDRESS", CONFIG_ENV):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("EMBEDPIPE_DASK_ADDRESS", "tcp://scheduler:8786")
+    with pytest.raises(ConfigError, match=r"EMBEDPIPE_DASK_ADDRESS.*needs runner dask"):
+        load_settings()  # it would be ignored: every job ran on threads
+    monkeypatch.setenv("EMBEDPIPE_RUNNER", "dask")
+    settings = load_settings()
+    job = {"corpus": "c.parquet", "out": "o"}
+    assert settings.apply_to_job(job)["dask_address"] == "tcp://scheduler:8786"
+    # a job that picks another runner leaves the installation's cluster out
+    threads = parse(EmbedJob, settings.apply_to_job(job | {"runner": "threads"}), "job")
+    assert (threads.runner, threads.dask_address) == ("threads", None)
+    with pytest.raises(ConfigError, match=r"runner 'dask', not 'processes' \(add --runner"):
+        parse(EmbedJob, job | {"runner": "processes", "dask_address": "tcp://x:1"}, "job")
+
+
 # --- Dockerfile -----------------------------------------------------------------------------
 
 
