@@ -262,12 +262,17 @@ def inherit_encoder(job: dict) -> dict:
 
 def check_input(job: EmbedJob) -> None:
     """The checks that need no model, no orchestration and no torch (a rerun with nothing to
-    do imports none): the corpus exists, is Parquet and has the id and text columns. Run
-    before a flow starts, so bad input fails in seconds. (The poolers and dtype, whose checks
-    import torch, are checked at the model's load, or by ``check_runs`` for a schedule.)"""
+    do imports none): the corpus exists, is Parquet and has the id and text columns; a model
+    the job names is a model folder here, or in the local Hugging Face cache (not checked for
+    a Dask cluster, whose machines hold their own). Run before a flow starts, so bad input
+    fails in seconds. (The poolers and dtype, whose checks import torch, are checked at the
+    model's load, or by ``check_runs`` for a schedule.)"""
     from pipeline.corpus import describe
+    from pipeline.models.folder import resolve_model_dir
 
     describe(job.corpus, job.id_column, job.text_column, job.out)
+    if job.encoder.model is not None and job.runner != "dask":
+        resolve_model_dir(job.encoder.model)
 
 
 def check_poolers_and_dtype(job: EmbedJob) -> None:

@@ -58,6 +58,13 @@ def test_bad_input_fails_before_orchestration(tmp_path):
         "rows_per_shard: Input should be greater than 0": [
             "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body",
             "--rows-per-shard", "0"],
+        "model folder not found": ["embed", str(tmp_path / "c.parquet"), out, "--text-column",
+                                   "body", "--model", str(tmp_path / "no-model")],
+        "text column 'id' is int64, not text": ["embed", str(tmp_path / "c.parquet"), out,
+                                                "--text-column", "id"],
+        "for runner 'dask', not 'threads'": ["embed", str(tmp_path / "c.parquet"), out,
+                                             "--text-column", "body", "--dask-address",
+                                             "tcp://127.0.0.1:1"],
     }
     for reason, args in cases.items():
         done, seconds = _cli(*args)
