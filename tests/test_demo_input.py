@@ -3,6 +3,7 @@ and indexed): each refused in one line before the corpus is written."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,9 @@ from pipeline.demo_corpus import stdlib_docstrings
 from pipeline.errors import ConfigError
 
 
-def _demo(*args: str) -> tuple[int, list[str]]:
+def _demo(*args: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
     done = subprocess.run([sys.executable, "-m", "flows.cli", "demo", *args],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     return done.returncode, done.stderr.strip().splitlines()
 
 
@@ -32,6 +33,15 @@ def test_bad_flags_are_refused_before_the_corpus_is_built(tmp_path: Path, flags:
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith("embedpipe demo: error: ") and problem in err[0]
     assert not (tmp_path / "demo" / "corpus").exists()
+
+
+def test_a_refused_demo_leaves_no_temp_folder_behind(tmp_path: Path) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    code, err = _demo("--rows", "50", "--pooler", "nosuch",
+                      env=os.environ | {"TMPDIR": str(temp)})
+    assert code == 1 and len(err) == 1 and "unknown pooler 'nosuch'" in err[0], err
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("embedpipe-demo-")]
 
 
 @pytest.mark.parametrize("under", ["", "sub"])

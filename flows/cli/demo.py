@@ -9,6 +9,7 @@ with the other commands.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -38,7 +39,12 @@ def run_demo(args: argparse.Namespace) -> int:
     root = args.out or tempfile.mkdtemp(prefix="embedpipe-demo-")
     corpus, out = storage.join(root, "corpus", "stdlib.parquet"), storage.join(root, "out")
     names = args.pooler or ["mean", "cls"]
-    _check_sets(corpus, out, names)
+    try:
+        _check_sets(corpus, out, names)
+    except Exception:
+        if not args.out:  # the empty folder made for this run goes with it
+            os.rmdir(root)
+        raise
     started = time.perf_counter()
     table = stdlib_docstrings(limit=args.rows)
     storage.write_parquet(corpus, table, row_group_size=250)
