@@ -24,13 +24,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from functools import partial
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError, EmbedpipeError
 
 if TYPE_CHECKING:
     import polars as pl
+    from pydantic import BaseModel
 
     from pipeline.config import EmbedJob
     from pipeline.evaluate import SetScores
@@ -55,6 +56,7 @@ def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
     _installation()
     from pipeline.assembly import job_params
 
+    _check_arguments("embed", index=index, incremental=incremental, progress=progress)
     job = _checked_job(corpus, out, config, _names(poolers, "poolers"), options)
     if index:
         from flows.live import embed_and_index_flow
@@ -76,6 +78,7 @@ def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | Non
     _installation()
     from pipeline.assembly import job_params
 
+    _check_arguments("backfill", progress=progress)
     poolers = _names(poolers, "poolers")
     if not poolers:
         raise ConfigError("backfill needs at least one pooler to add")
@@ -95,13 +98,13 @@ def index(out: str, set_name: str | None = None, *, kind: str = "auto",
     from pipeline.index import IndexResult, index_targets
 
     out = _path(out, "out")
+    _check_arguments("index", rebuild=rebuild, progress=progress)
     index_targets(out, set_name, kind, memory_budget, lease_wait)  # before any orchestration
     from flows.index import index_flow
 
     with _orchestration():
         results = index_flow(out, set_name, kind=kind, memory_budget=str(memory_budget),
-                             rebuild=bool(rebuild), lease_wait=float(lease_wait),
-                             progress=progress)
+                             rebuild=rebuild, lease_wait=float(lease_wait), progress=progress)
     return [IndexResult.model_validate(r) for r in results]
 
 
@@ -115,6 +118,8 @@ def search(out: str, queries: str | Sequence[str], k: int = 10, *, set_name: str
 
     texts = check_queries(_names(queries, "queries", "texts", optional=False))
     check_k(k)
+    _check_arguments("search", device=device, snippets=snippets,
+                     trust_remote_code=trust_remote_code)
     searcher = Searcher(_path(out, "out"), set_name, device=device,
                         trust_remote_code=trust_remote_code, snippets=snippets)
     return searcher.search(texts, k, snippets=snippets)
@@ -132,6 +137,7 @@ def evaluate(out: str, queries: str, *, sets: Sequence[str] | None = None, k: in
     _installation()
     from pipeline.evaluate import evaluate_sets
 
+    _check_arguments("evaluate", exact=exact, device=device, trust_remote_code=trust_remote_code)
     return evaluate_sets(_path(out, "out"), _path(queries, "queries"), sets=_names(sets, "sets"),
                          k=k, exact=exact,
                          ranks_out=_path(ranks_out, "ranks_out", optional=True),
@@ -179,6 +185,38 @@ def _names(value: object, name: str, what: str = "names", optional: bool = True
     if isinstance(value, Iterable) and not isinstance(value, bytes | Mapping):
         return list(value)
     raise ConfigError(f"{name} must be a str or a list of {what}, not {type(value).__name__}")
+
+
+def _check_arguments(call: str, **given: object) -> None:
+    """``call``'s keyword arguments checked strictly by their type (a bool is a bool, not a
+    truthy string; ``device`` one of ``pipeline.config.Device``): one ConfigError line naming
+    each that is not, before anything is read or loaded."""
+    from pipeline.config import parse
+
+    parse(_argument_types(), given, f"embedpipe.{call}() arguments")
+
+
+@cache
+def _argument_types() -> type[BaseModel]:
+    """The API's keyword arguments that no ``pipeline.config`` model checks, typed by
+    ``pipeline.config``'s own types (made on first use: importing embedpipe stays cheap)."""
+    from pydantic import BaseModel, ConfigDict
+
+    from pipeline.config import Device
+
+    class Arguments(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+
+        device: Device | None = None
+        exact: bool | None = None
+        snippets: bool = True
+        trust_remote_code: bool = False
+        index: bool = False
+        incremental: bool = False
+        rebuild: bool = False
+        progress: bool = False
+
+    return Arguments
 
 
 def _installation() -> None:

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from pipeline import names
 from pipeline.errors import EmbedpipeError
 from pipeline.search import Hit
 
@@ -35,8 +36,10 @@ class ServerError(EmbedpipeError):
 
 def search_remote(url: str, queries: list[str], k: int = 10,
                   set_name: str | None = None) -> tuple[str, list[list[Hit]]]:
-    """(set name, hits per query) from the server at ``url`` (``http://host:port``)."""
-    body = {"queries": queries, "k": k} | ({"set": set_name} if set_name else {})
+    """(set name, hits per query) from the server at ``url`` (``http://host:port``); the
+    server's default set where ``set_name`` is None (an empty name is refused, not dropped)."""
+    chosen = {} if set_name is None else {"set": names.set_name(set_name)}
+    body = {"queries": queries, "k": k} | chosen
     endpoint = _endpoint(url)
     return _search_results(endpoint, _post(endpoint, body), len(queries))
 

@@ -79,7 +79,7 @@ def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: 
     from pipeline.index import list_sets
 
     ranking.check_k(k)
-    check_report_path(out, ranks_out, "ranks file")
+    check_report_path(out, ranks_out, "ranks_out")
     relevant, unlabelled = load_queries(queries)
     names = list(dict.fromkeys(sets or list_sets(out)))
     if not names:
@@ -92,9 +92,13 @@ def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: 
 
 
 def check_report_path(out: str, path: str | None, what: str) -> None:
-    """A report file (ranks, plot) is written outside OUT: inside it, it could replace a
-    set's or an index's own file."""
-    if path and storage.is_under(path, out):
+    """A report file (ranks, plot) ``what`` names is written outside OUT: inside it, it could
+    replace a set's or an index's own file; an empty path is refused, not taken for none."""
+    if path is None:
+        return
+    if not path.strip():
+        raise ConfigError(f"{what} is an empty path: give the file to write, or leave it out")
+    if storage.is_under(path, out):
         raise ConfigError(f"{what} {path} lies inside OUT {out}: write reports elsewhere "
                           "(a file there could replace one of OUT's own)")
 

@@ -38,8 +38,9 @@ class Hit(BaseModel):
 
 
 def pick_set(out: str, name: str | None) -> str:
-    """``name``, or the only indexed set under OUT when none is given."""
-    if name:
+    """``name``, or the only indexed set under OUT when it is None (an empty name is refused
+    as a set name, never taken for none)."""
+    if name is not None:
         return name
     indexed = [s for s in list_sets(out) if read_meta(out, s) is not None]
     if len(indexed) == 1:
@@ -86,8 +87,8 @@ class QueryEncoder:
         made_by = int8_kernel_of(info.model_hash)
         if made_by:  # the int8 kernel that made the set (auto might pick the other one here)
             stored["int8_kernel"] = made_by
-        encoder = parse(EncoderConfig, stored, f"the encoder of set {info.name!r}")
-        spec = parse(PoolerSpec, info.pooler, f"the pooler of set {info.name!r}")
+        encoder = parse(EncoderConfig, stored, f"encoder of set {info.name!r}")
+        spec = parse(PoolerSpec, info.pooler, f"pooler of set {info.name!r}")
         self.embedder = get_embedder(encoder, [spec])
         _ = self.embedder.encoder.query_prompt  # one with no room fails here, at the load
         made = self.embedder.fingerprint(spec.name)
@@ -117,6 +118,9 @@ class Searcher:
                  snippets: bool = True, previous: Searcher | None = None) -> None:
         """``previous``: the same set loaded earlier; its model (same fingerprint) and its index
         (same published token) are reused, so a reload reads only what changed."""
+        if corpus is not None and not corpus.strip():  # not the recorded one: a mistake
+            raise ConfigError("corpus (--corpus) is empty: give the corpus to take snippets "
+                              "from, or leave it out for the one recorded in _SET.json")
         self.out, self.corpus, self.device = out, corpus, device
         self.trust_remote_code, self.with_snippets = trust_remote_code, snippets
         self.name = pick_set(out, set_name)

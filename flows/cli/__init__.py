@@ -37,11 +37,14 @@ class _Parser(argparse.ArgumentParser):
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
         """As argparse, but a command whose last positional takes words to the end
         (``trailing``: the dest) takes them between its options too (``query OUT --set NAME
-        some words``): argparse alone gives its positionals the first run of words only."""
+        some words``): argparse alone gives its positionals the first run of words only.
+        After a ``--`` that argparse left over, every word is one of them (``query OUT -k 3
+        -- -fno-pic flag``)."""
         parsed, extra = self.parse_known_args(args, namespace)
         trailing = getattr(parsed, "trailing", None)
-        if extra and trailing and not any(word.startswith("-") for word in extra):
-            getattr(parsed, trailing).extend(extra)
+        cut = extra.index("--") if "--" in extra else len(extra)
+        if extra and trailing and not any(word.startswith("-") for word in extra[:cut]):
+            getattr(parsed, trailing).extend(extra[:cut] + extra[cut + 1:])
         elif extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed

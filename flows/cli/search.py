@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import get_args
 
 from pipeline.config import Device
+from pipeline.errors import ConfigError, StorageError
 from pipeline.index.plan import NAMED_KINDS
 
 
@@ -35,14 +37,16 @@ def _query_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("query", help="search a set's index with text")
     p.add_argument("words", metavar="[OUT] TEXT", nargs="+",
                    help="the output folder (not with --url), then the query: its words are "
-                   "joined into one query, options may come between them")
+                   "joined into one query, options may come between them; words after -- "
+                   "are all query words (a query that starts with '-': OUT -- -fno-pic flag)")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--set", dest="set_name", metavar="NAME")
     p.add_argument("--url", help="ask a running `embedpipe serve` (http://host:port) instead; "
                    "EMBEDPIPE_API_KEY is sent as a Bearer token when set")
     p.add_argument("--corpus", help="corpus for snippets (default: as recorded in _SET.json); "
-                   "used only if it holds the set's ids")
-    p.add_argument("--device", choices=get_args(Device))
+                   "used only if it holds the set's ids; not with --url")
+    p.add_argument("--device", choices=get_args(Device),
+                   help="where the set's model runs (not with --url: the server's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     _trust_flag(p)
     p.set_defaults(func=run_query, trailing="words")
@@ -114,24 +118,14 @@ def run_index(args: argparse.Namespace) -> int:
 
 
 def run_query(args: argparse.Namespace) -> int:
-    from pipeline.errors import ConfigError
     from pipeline.ranking import check_k
 
     check_k(args.k)
-    words = list(args.words)
-    out = None if args.url else words.pop(0)
-    text = " ".join(words)
-    if not text.strip():
-        raise ConfigError("the query text is empty (give OUT, or --url of a running "
-                          "`embedpipe serve`, then the query)")
-    if args.url:
-        from pipeline.client import search_remote
-
-        name, results = search_remote(args.url, [text], args.k, args.set_name)
-        _print_hits(name, text, results[0], args.json)
-        return 0
+    if args.url is not None:
+        return _query_server(args)
     from pipeline.search import Searcher, check_queries
 
+    out, text = args.words[0], _query_text(args.words[1:])
     check_queries([text])  # before the model loads (the server checks its own)
     searcher = Searcher(out, args.set_name, device=args.device, corpus=args.corpus,
                         trust_remote_code=args.trust_remote_code)
@@ -144,6 +138,50 @@ def run_query(args: argparse.Namespace) -> int:
         print(f"note: set {searcher.name!r} changed since it was indexed; run "
               f"`embedpipe index {out} --set {searcher.name}`", file=sys.stderr)
     return 0
+
+
+_LOCAL_ONLY = {"corpus": "--corpus", "device": "--device",
+               "trust_remote_code": "--trust-remote-code"}  # dest: option; unset: None or False
+
+
+def _query_server(args: argparse.Namespace) -> int:
+    """``query --url``: the server loads the set, so the options that choose how a local OUT
+    is loaded are refused rather than ignored, and so is an OUT before the words."""
+    from pipeline.client import search_remote
+
+    for dest, option in _LOCAL_ONLY.items():
+        if getattr(args, dest) not in (None, False):
+            raise ConfigError(f"{option} is not taken with --url: the server decides it "
+                              "(give it to `embedpipe serve`)")
+    if _holds_sets(args.words[0]):
+        raise ConfigError(f"{args.words[0]!r} is an output folder with sets: give OUT or "
+                          "--url, not both")
+    text = _query_text(args.words)
+    name, results = search_remote(args.url, [text], args.k, args.set_name)
+    _print_hits(name, text, results[0], args.json)
+    return 0
+
+
+def _holds_sets(word: str) -> bool:
+    """``word`` names a local folder holding embedpipe sets (a query word that happens to name
+    some other folder, or nothing, stays a query word)."""
+    from pipeline.sets import list_sets
+
+    if not os.path.isdir(word):
+        return False
+    try:
+        return bool(list_sets(word))
+    except StorageError:  # a sets/ folder embedpipe did not write: not an OUT
+        return False
+
+
+def _query_text(words: list[str]) -> str:
+    """The query's words as one text; none (or only blanks) is one line saying what to give."""
+    text = " ".join(words)
+    if not text.strip():
+        raise ConfigError("the query text is empty (give OUT, or --url of a running "
+                          "`embedpipe serve`, then the query)")
+    return text
 
 
 def _print_hits(name: str, text: str, hits: list, as_json: bool) -> None:
@@ -176,7 +214,8 @@ def run_eval(args: argparse.Namespace) -> int:
     import embedpipe
     from pipeline import evaluate
 
-    evaluate.check_report_path(args.out, args.plot, "plot")
+    for path, option in ((args.ranks_out, "--out"), (args.plot, "--plot")):
+        evaluate.check_report_path(args.out, path, option)  # named as the user gave them
     results = embedpipe.evaluate(args.out, args.queries, sets=args.sets, k=args.k,
                                  exact=args.exact, ranks_out=args.ranks_out, device=args.device,
                                  trust_remote_code=args.trust_remote_code)
