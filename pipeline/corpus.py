@@ -49,7 +49,7 @@ def describe(url: str, id_column: str, text_column: str, out: str | None = None
     root = _root_path(url, pattern)
     if out is not None:
         _apart(url, urls, out, pattern)
-    layouts, id_types, unsigned = [], {}, []
+    layouts, id_types, unsigned, not_text = [], {}, [], {}
     for file_url in urls:
         meta, schema = _footer(file_url)
         missing = [c for c in (id_column, text_column) if c not in schema.names]
@@ -59,7 +59,8 @@ def describe(url: str, id_column: str, text_column: str, out: str | None = None
                 f"(its columns: {', '.join(schema.names)}); pass --id-column/--text-column"
             )
         id_types[file_url] = _id_type(schema.field(id_column).type, file_url, id_column)
-        _check_text_type(schema.field(text_column).type, file_url, text_column)
+        if not _holds_text(schema.field(text_column).type):
+            not_text[file_url] = schema.field(text_column).type
         if id_types[file_url] == pa.uint64() and not _signed_ids_fit(meta, id_column):
             unsigned.append(file_url)
         groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
@@ -77,6 +78,7 @@ def describe(url: str, id_column: str, text_column: str, out: str | None = None
     if len(kinds) > 1:
         listed = ", ".join(f"{u}: {t}" for u, t in list(id_types.items())[:4])
         raise CorpusError(f"id column {id_column!r} has different types across files ({listed})")
+    _check_some_text(not_text, len(urls), text_column)
     rows = sum(sum(f.group_rows) for f in layouts)
     if rows == 0:
         raise CorpusError(f"corpus {url} is empty: {len(urls)} Parquet file(s), 0 rows")
@@ -162,15 +164,23 @@ def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
     )
 
 
-def _check_text_type(dtype: pa.DataType, file_url: str, column: str) -> None:
-    """A text column holds text, however it is stored (``plain_text``): strings, or binary
-    read as UTF-8 row by row (a row that is not is skipped). Any other type (numbers, lists,
-    an all-null column) would skip every row and leave an empty set."""
+def _holds_text(dtype: pa.DataType) -> bool:
+    """Whether a text column of ``dtype`` can hold text, however it is stored
+    (``plain_text``): strings, or binary read as UTF-8 row by row. Any other type (numbers,
+    lists, an all-null column) skips every row of its file as ``not_string``."""
     if pa.types.is_dictionary(dtype):
         dtype = dtype.value_type
-    if not (_is_text(dtype) or pa.types.is_string_view(dtype) or pa.types.is_binary(dtype)
-            or pa.types.is_large_binary(dtype) or pa.types.is_binary_view(dtype)):
-        raise CorpusError(f"{file_url}: text column {column!r} is {dtype}, not text; pass "
+    return (_is_text(dtype) or pa.types.is_string_view(dtype) or pa.types.is_binary(dtype)
+            or pa.types.is_large_binary(dtype) or pa.types.is_binary_view(dtype))
+
+
+def _check_some_text(not_text: dict[str, pa.DataType], files: int, column: str) -> None:
+    """A corpus whose every file's text column cannot hold text would skip every row and
+    leave an empty set, reported as a success (a wrong --text-column): refused. Files among
+    others that do hold text have their rows skipped and quarantined, as bad rows are."""
+    if not_text and len(not_text) == files:
+        url, dtype = next(iter(not_text.items()))
+        raise CorpusError(f"{url}: text column {column!r} is {dtype}, not text; pass "
                           "--text-column naming a string column")
 
 

@@ -68,11 +68,15 @@ def test_text_that_is_not_a_string_is_skipped():
                                     pa.array([None, None], pa.null())])
 def test_a_text_column_that_cannot_hold_text_is_refused_up_front(tmp_path, column):
     # every row would be skipped and the run leave an empty set, reported as a success
-    path = str(tmp_path / "a.parquet")
+    path = str(tmp_path / "c" / "a.parquet")
+    (tmp_path / "c").mkdir()
     pq.write_table(pa.table({"id": [1, 2], "body": column}), path)
     with pytest.raises(CorpusError, match=r"text column 'body' is .*, not text") as err:
         describe(path, "id", "body")
     assert "\n" not in str(err.value) and "a.parquet" in str(err.value)
+    # beside a file that holds text, its rows are bad rows: skipped and quarantined
+    pq.write_table(pa.table({"id": [3], "body": ["words"]}), tmp_path / "c" / "b.parquet")
+    assert describe(str(tmp_path / "c"), "id", "body").rows == 3
     pq.write_table(pa.table({"id": [1, 2], "body": [b"hello", b"world"]}), path)
     assert describe(path, "id", "body").rows == 2  # binary is read as UTF-8, row by row
 
