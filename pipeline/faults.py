@@ -6,7 +6,8 @@ and hits ``skip`` .. ``skip + times - 1`` raise ``InjectedFault``, an OSError, w
 treat as transient (retried), or with ``:kill`` end the process at once with SIGKILL (a
 crash: no cleanup, no exception handler runs). Unset, a failpoint costs one dictionary
 lookup. Points: ``read_shard``, ``write_part`` (before each part of a shard is written),
-``write_marker`` (after a part and its hashes, before the marker).
+``write_marker`` (after a part and its hashes, before the marker), ``retire_part`` (a shard
+that left the plan: after its marker is removed, before its part).
 """
 
 from __future__ import annotations

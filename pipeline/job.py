@@ -389,7 +389,8 @@ def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _
 
 def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.ndarray,
                matrix: np.ndarray | None, skipped: dict[str, int]) -> tuple[bool, int]:
-    """Removals, part, hashes, then marker; only the marker if the rows are unchanged.
+    """Removals, the old marker, part, hashes, then the new marker; only the marker if the
+    rows are unchanged.
 
     Returns (part written, rows removed from this shard).
     """
@@ -425,6 +426,8 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
         if len(old_ids) else []
     )
     folder.record_removed(generation, shard.id, removed)
+    if work.prior is not None:  # its rows change: not done until the new marker (a run that
+        folder.remove_marker(shard.id)  # dies in between must not leave the old one on them)
     faults.hit("write_part", f"{shard.id}/{work.name}")
     if len(ids):
         folder.write_part(shard.id, ids, matrix)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from pipeline import storage
+from pipeline import faults, storage
 from pipeline.config import EmbedJob, stable_hash
 from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates, id_type_holds
 from pipeline.errors import CorpusError, FingerprintError
@@ -370,15 +370,18 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
 
 
 def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None:
-    """Shards no longer planned: record their ids as removed, then delete part and marker.
-    A shard's part left without its marker by a run that died (``unmarked_shards``) goes too
-    once its shard id left the plan (the file grew, or went): else it stayed for good."""
+    """Shards no longer planned: record their ids as removed, then delete marker and part
+    (the marker first: one left on a removed part would say its rows are there, to a rerun
+    after the file came back). A shard's part left without its marker by a run that died
+    (``unmarked_shards``) goes too once its shard id left the plan (the file grew, or went):
+    else it stayed for good."""
     gone = set(markers) | folder.unmarked_shards(markers)
     for sid in sorted(sid for sid in gone if sid not in planned):
         ids, _, _ = folder.read_hashes(sid)
         folder.record_removed(g, sid, ids.to_pylist())
-        folder.remove_part(sid)
         folder.remove_marker(sid)
+        faults.hit("retire_part", f"{sid}/{folder.name}")
+        folder.remove_part(sid)
         storage.remove(quarantine_url(folder.out, sid))
 
 

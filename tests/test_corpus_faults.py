@@ -290,3 +290,52 @@ def test_a_part_whose_marker_is_damaged_goes_once_its_shard_leaves_the_plan(
     ids = sorted(read_set(out, "mean"))  # an id twice fails
     assert ids == list(range(35)) and not damaged.exists() and not folder.has_part(last.shard)
     assert summary.rows == folder.meta().rows_written == 35
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "incremental"])
+def test_a_run_that_dies_rewriting_a_shard_leaves_no_marker_on_its_new_rows(
+        tmp_path, tiny_model_dir, monkeypatch, verify):
+    """A text is edited, the run dies after the shard's new part and hashes, before its new
+    marker; the edit is rolled back. The old marker matched the restored file, so a rerun
+    took the shard as done and kept the dead run's vector of the edited text for good."""
+    corpus, texts = tmp_path / "a.parquet", [text_for(i) for i in range(40)]
+    write_corpus(corpus, list(range(40)), texts)
+    spec = job(corpus, tmp_path / "out", tiny_model_dir)
+    run_library(spec)
+    write_corpus(corpus, list(range(40)), [*texts[:3], "an edited text", *texts[4:]])
+    monkeypatch.setenv("EMBEDPIPE_FAILPOINT", f"write_marker:0:1:{tmp_path / 'fp'}")
+    with pytest.raises(OSError, match="injected fault at write_marker"):
+        run_library(spec)
+    monkeypatch.delenv("EMBEDPIPE_FAILPOINT")
+    write_corpus(corpus, list(range(40)), texts)  # the edit rolled back
+    summary = run_library(spec, verify=verify)
+    assert summary.rows == 40 and summary.embedded == 20  # the shard again, none reused
+    run_library(job(corpus, tmp_path / "ref", tiny_model_dir))
+    ref, got = read_set(tmp_path / "ref", "mean"), read_set(tmp_path / "out", "mean")
+    assert sorted(got) == list(range(40))
+    assert all(np.array_equal(got[i], ref[i]) for i in range(40))
+
+
+def test_a_run_that_dies_retiring_a_shard_leaves_no_marker_on_its_removed_rows(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """A file is deleted, the run dies retiring its shard (part gone, marker not); the file
+    comes back. The marker matched it, so a rerun took the shard as done: its rows were
+    missing from the set for good while _SET.json counted them."""
+    corpus = tmp_path / "c"
+    write_corpus(corpus / "a.parquet", list(range(20)), [text_for(i) for i in range(20)])
+    b = write_corpus(corpus / "b.parquet", list(range(100, 120)),
+                     [text_for(i) for i in range(20)])
+    saved = b.read_bytes()
+    spec = job(corpus, tmp_path / "out", tiny_model_dir)
+    run_library(spec)
+    b.unlink()
+    monkeypatch.setenv("EMBEDPIPE_FAILPOINT", f"retire_part:0:1:{tmp_path / 'fp'}")
+    with pytest.raises(OSError, match="injected fault at retire_part"):
+        run_library(spec)
+    monkeypatch.delenv("EMBEDPIPE_FAILPOINT")
+    b.write_bytes(saved)
+    summary = run_library(spec)
+    ids = sorted(read_set(tmp_path / "out", "mean"))
+    assert ids == [*range(20), *range(100, 120)]
+    assert summary.rows == SetFolder(str(tmp_path / "out"), "mean").meta().rows_written == 40
+    assert scan_set(str(tmp_path / "out"), "mean").collect().height == 40
