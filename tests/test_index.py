@@ -178,6 +178,35 @@ def test_missing_changes_file_or_rebuild_flag_means_a_full_build(tmp_path):
     assert build(tmp_path, rebuild=True).reason == "asked to rebuild"
 
 
+@pytest.mark.parametrize("asked", ["hnsw", "IVF4,Flat"])
+def test_a_full_build_in_place_of_a_catch_up_keeps_the_kind_the_index_was_built_for(
+        tmp_path, asked):
+    """A catch-up that falls back to a full build (a changes file lost, too many masked
+    rows) asks again for the kind the index was built for, not for auto's: a small set built
+    --kind hnsw became flat (found by a review). An index built auto chooses again."""
+    x = clustered(1_000, 8, seed=12)
+    parts = write_set(tmp_path, "s", [f"d{i}" for i in range(1_000)], x, parts=2)
+    first = build(tmp_path, kind=asked).meta
+    assert first.asked_kind == asked and first.kind in ("hnsw", "factory")
+    write_part(tmp_path, "s", parts[0], [f"n{i}" for i in range(10)], x[:10])
+    generation = bump(tmp_path, "s", [parts[0]], [])
+    (tmp_path / "sets" / "s" / "_changes" / f"{generation:06d}.json").unlink()
+    result = build(tmp_path)  # --kind auto, as a nightly run's catch-up asks
+    assert (result.action, result.reason) == ("built", "a changes file is missing")
+    assert (result.meta.kind, result.meta.factory) == (first.kind, first.factory)
+    rebuilt = build(tmp_path, rebuild=True).meta  # --rebuild chooses again
+    assert (rebuilt.kind, rebuilt.asked_kind) == ("flat", "auto")
+
+
+def test_an_asked_kind_that_is_no_kind_is_refused_from_index_json(tmp_path):
+    write_set(tmp_path, "s", list(range(200)), clustered(200, 8, seed=13))
+    build(tmp_path, kind="hnsw")
+    marker = tmp_path / "index" / "s" / "_INDEX.json"
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"asked_kind": "IVF999999,PQ1"}))
+    with pytest.raises(StorageError, match=r"asked_kind 'IVF999999,PQ1' is neither auto"):
+        read_meta(str(tmp_path), "s")
+
+
 def test_index_refuses_a_set_of_another_fingerprint_or_dimension(tmp_path):
     x = clustered(500, 8, seed=12)
     parts = write_set(tmp_path, "s", [f"d{i}" for i in range(500)], x)

@@ -140,15 +140,22 @@ def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
                            reason=f"kind changed from {current.kind} to {req.kind}")
     changes = _changes_since(req.out, info, current.generation)
     if changes is None:
-        return IndexResult(meta=_full(req, info, budget, current, say), action="built",
-                           reason="a changes file is missing")
+        return IndexResult(meta=_full(req, info, budget, current, say, _kept_kind(req, current)),
+                           action="built", reason="a changes file is missing")
     if not changes:
         return IndexResult(meta=current, action="up to date")
     meta, reason = _catch_up(req, info, budget, current, changes, say)
     if meta is None:
-        return IndexResult(meta=_full(req, info, budget, current, say), action="built",
-                           reason=reason)
+        return IndexResult(meta=_full(req, info, budget, current, say, _kept_kind(req, current)),
+                           action="built", reason=reason)
     return IndexResult(meta=meta, action="caught up", reason=reason)
+
+
+def _kept_kind(req: IndexRequest, current: store.IndexMeta) -> str:
+    """The kind a full build that stands in for a catch-up asks for: ``--kind`` where given,
+    else the kind ``current`` was built for (an index made ``--kind hnsw`` stays HNSW; one
+    made ``auto`` chooses again for the rows it has now)."""
+    return current.asked_kind if req.kind == "auto" and current.asked_kind else req.kind
 
 
 def _current(req: IndexRequest) -> store.IndexMeta | None:
@@ -196,7 +203,9 @@ def _changes_since(out: str, info: SetMeta, since: int) -> list[SetChanges] | No
 
 
 def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMeta | None,
-          say: Callable[[str], None]) -> store.IndexMeta:
+          say: Callable[[str], None], kind: str | None = None) -> store.IndexMeta:
+    """A new index of every row of the set, of ``kind`` (default: ``--kind``)."""
+    kind = kind or req.kind
     started = time.perf_counter()
     data = SetVectors.of(SetFolder(req.out, info.name), info)
     rows = data.rows
@@ -204,7 +213,7 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
         return _empty(req, info, budget, previous, started, say)
     if rows == 0:
         raise StorageError(f"set {info.name!r} in {req.out} has no rows to index")
-    plan = plan_index(rows, info.dim, info.metric, budget, req.kind)
+    plan = plan_index(rows, info.dim, info.metric, budget, kind)
     say(f"index {info.name}: {rows:,} x {info.dim} -> {plan.kind} [{plan.factory}], "
         f"estimated {plan.memory_estimate / 1e6:,.0f} MB of {budget / 1e6:,.0f} MB")
     index = _new_index(plan, info.dim)
@@ -227,7 +236,8 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     handle = IndexHandle(index, idmap, {})
     params, recall, tried = tune(handle, queries, exact.result(), req.recall_target)
     meta = _meta(req, info, budget, plan.memory_estimate, handle, previous, started,
-                 kind=plan.kind, factory=plan.factory, mode="full", next_label=idmap.next_label)
+                 kind=plan.kind, factory=plan.factory, mode="full", next_label=idmap.next_label,
+                 asked_kind=plan.factory if plan.kind == "factory" else kind)
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
     check_held(req.out)  # a writer that lost OUT's lease publishes nothing into it
@@ -247,7 +257,8 @@ def _empty(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexM
                                  memory_estimate=0), info.dim)
     handle = IndexHandle(index, IdMap.empty(arrow_id_type(info.id_type)), {})
     meta = _meta(req, info, budget, 0, handle, previous, started, kind="flat", factory=factory,
-                 mode="full", next_label=previous.next_label or 0)
+                 mode="full", next_label=previous.next_label or 0,
+                 asked_kind=previous.asked_kind)
     check_held(req.out)
     return store.publish(req.out, index, handle.idmap, meta)
 
@@ -326,7 +337,7 @@ def _refuse_duplicates(idmap: IdMap, info: SetMeta, out: str) -> None:
 
 def _meta(req: IndexRequest, info: SetMeta, budget: int, estimate: int, handle: IndexHandle,
           previous: store.IndexMeta | None, started: float, kind: str, factory: str,
-          mode: str, next_label: int) -> store.IndexMeta:
+          mode: str, next_label: int, asked_kind: str | None) -> store.IndexMeta:
     token = store.new_token()
     return store.IndexMeta(
         name=info.name, kind=kind, factory=factory, metric=info.metric, dim=info.dim,
@@ -337,7 +348,7 @@ def _meta(req: IndexRequest, info: SetMeta, budget: int, estimate: int, handle: 
         idmap_file=f"idmap-{token}.parquet", token=token,
         previous_token=previous.token if previous else None, mode=mode, built_at=time.time(),
         build_seconds=round(time.perf_counter() - started, 3), next_label=next_label,
-        set_token=info.token,
+        set_token=info.token, asked_kind=asked_kind,
     )
 
 
@@ -390,7 +401,7 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
         return None, f"recall@10 fell to {recall:.3f} after catch-up; retraining"
     meta = _meta(req, info, budget, current.memory_estimate, handle, current, started,
                  kind=current.kind, factory=current.factory, mode="catch-up",
-                 next_label=first + added)
+                 next_label=first + added, asked_kind=current.asked_kind)
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
     check_held(req.out)  # a writer that lost OUT's lease publishes nothing into it

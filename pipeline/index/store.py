@@ -32,6 +32,7 @@ from pipeline import storage
 from pipeline.errors import StorageError
 from pipeline.index.handle import params_problem
 from pipeline.index.idmap import IdMap
+from pipeline.index.plan import NAMED_KINDS
 from pipeline.names import file_name, set_name
 from pipeline.settings import cache_root
 
@@ -69,6 +70,9 @@ class IndexMeta(BaseModel):
     index_sha256: str | None = None  # set by ``publish``; required when read back
     idmap_sha256: str | None = None
     mode: str  # "full" or "catch-up"
+    # the --kind the last full build was asked for ("auto", a kind, a factory string): what a
+    # catch-up's fallback build asks for again; None: written before embedpipe recorded it
+    asked_kind: str | None = None
     # the label high-water mark: one past every label ever put in the index (masked ones
     # too), so none is handed out twice; None: written before embedpipe recorded it
     next_label: int | None = None
@@ -112,6 +116,9 @@ def _checked(meta: IndexMeta, name: str, url: str) -> IndexMeta:
             f"{url}: next_label {meta.next_label} is not between ntotal {meta.ntotal} and "
             f"{MAX_LABEL}; rebuild with `embedpipe index ... --set {name} --rebuild`"
         )
+    if meta.asked_kind not in (None, "auto", *NAMED_KINDS, meta.factory):  # a build asks it
+        raise StorageError(f"{url}: asked_kind {meta.asked_kind!r} is neither auto, "
+                           f"{', '.join(NAMED_KINDS)} nor the index's own factory")
     if not (_is_sha256(meta.index_sha256) and _is_sha256(meta.idmap_sha256)):
         raise StorageError(
             f"{url} records no SHA-256 of its files (made by an older embedpipe?); rebuild "
