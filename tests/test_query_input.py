@@ -150,7 +150,7 @@ API_CASES = {  # id: (call, keyword arguments, what the one line says)
     "evaluate ranks_out": ("evaluate", {"ranks_out": ""}, "ranks_out is an empty path"),
     "index rebuild": ("index", {"rebuild": "no"}, "rebuild: Input should be a valid boolean"),
     "index progress": ("index", {"progress": "no"}, "progress: Input should be a valid boolean"),
-    "index memory_budget": ("index", {"memory_budget": True}, "memory_budget True is not a "
+    "index memory_budget": ("index", {"memory_budget": True}, "memory budget True is not a "
                             "size"),
     "embed index": ("embed", {"index": "no"}, "index: Input should be a valid boolean"),
 }

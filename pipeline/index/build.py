@@ -71,10 +71,6 @@ def index_targets(out: str, set_name: str | None, kind: str, memory_budget: str 
                   lease_wait: float) -> list[str]:
     """The sets an `index` run works on, its options checked first (each a one-line error,
     before any orchestration or lease): the named set, which must be there, or every set."""
-    # a bool is an int to Python: True would be a budget of 1 byte
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, str | int):
-        raise ConfigError(f"memory_budget {memory_budget!r} is not a size like 4GB, 512MB or "
-                          "2GiB, nor a number of bytes")
     parse_bytes(memory_budget)
     if not isinstance(kind, str) or not kind.strip():
         raise ConfigError(f"index kind {kind!r} is not auto, {', '.join(NAMED_KINDS)} or a "

@@ -49,7 +49,11 @@ class IndexPlan(BaseModel):
 
 
 def parse_bytes(text: str | int) -> int:
-    """``"4GB"``, ``"512MiB"``, ``"1.5G"`` or a plain number of bytes, as an int > 0."""
+    """``"4GB"``, ``"512MiB"``, ``"1.5G"`` or a plain number of bytes, as an int > 0 (not a
+    bool, an int to Python: True would be a budget of 1 byte)."""
+    if isinstance(text, bool) or not isinstance(text, str | int):
+        raise ConfigError(f"memory budget {text!r} is not a size like 4GB, 512MB or 2GiB, "
+                          "nor a number of bytes")
     if isinstance(text, int):
         value = text
     else:
