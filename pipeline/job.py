@@ -416,8 +416,10 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
         and np.array_equal(old_hashes, hashes)
         and (len(ids) == 0 or folder.has_part(shard.id))
     )
-    if unchanged:  # same rows: at most new signature or skip counts to record
-        refreshed = marker.model_copy(update={"generation": written_in})
+    if unchanged:  # same rows: at most new signature or skip counts to record; a shard
+        # without rows has no hashes to date it: it keeps its marker's generation
+        kept = written_in if written_in >= 0 else work.prior.generation
+        refreshed = marker.model_copy(update={"generation": kept})
         if refreshed != work.prior:
             folder.write_marker(refreshed)
         return False, 0

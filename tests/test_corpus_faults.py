@@ -339,3 +339,16 @@ def test_a_run_that_dies_retiring_a_shard_leaves_no_marker_on_its_removed_rows(
     assert ids == [*range(20), *range(100, 120)]
     assert summary.rows == SetFolder(str(tmp_path / "out"), "mean").meta().rows_written == 40
     assert scan_set(str(tmp_path / "out"), "mean").collect().height == 40
+
+
+def test_a_rerun_leaves_a_shard_of_skipped_rows_as_it_is(tmp_path, tiny_model_dir):
+    """A shard whose every row is skipped has a marker and no part: an incremental rerun with
+    nothing to do rewrote that marker (its generation -1, as its missing hashes said)."""
+    write_corpus(tmp_path / "c" / "a.parquet", [1], ["a text"])
+    write_corpus(tmp_path / "c" / "b.parquet", [2], ["   "])
+    spec = job(tmp_path / "c", tmp_path / "out", tiny_model_dir)
+    run_library(spec)
+    before = tree_digest(tmp_path / "out" / "sets")
+    summary = run_library(spec, verify=True)
+    assert summary.embedded == 0 and summary.skipped == {"empty_text": 1}
+    assert tree_digest(tmp_path / "out" / "sets") == before
