@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import storage
-from pipeline.corpus import plain_text
+from pipeline.corpus import blank, plain_text
 from pipeline.errors import EmbedpipeError
 
 SNIPPET_CHARS = 200
@@ -120,8 +120,10 @@ class SnippetStore:
             for value, row in hits:
                 if row >= len(group_ids) or group_ids[row].as_py() != value:
                     raise _Moved(f"{url} changed since its ids were read")
-                found[value] = _clip(texts[row].as_py(), chars)
-                wanted.discard(value)
+                text = _embedded_text(value, row, group_ids, texts)
+                if text is not None:
+                    found[value] = _clip(text, chars)
+                    wanted.discard(value)
         return found
 
     def _text_group(self, url: str, group: int) -> tuple[pa.Array, pa.Array]:
@@ -165,8 +167,21 @@ def _sample(ids: pa.Array) -> pa.Array:
     return ids.take(pa.array(picks)) if len(ids) else ids
 
 
-def _clip(text: object, chars: int) -> str:
-    if not isinstance(text, str):
-        return ""
+def _embedded_text(value: object, row: int, ids: pa.Array, texts: pa.Array) -> str | None:
+    """The text a run embedded for ``value`` in this group: the first of its rows from ``row``
+    on whose text is text with a visible character (``--dedupe`` keeps the first valid row of
+    an id, not one a run skipped), or None if no row of this group holds one."""
+    text = texts[row].as_py()
+    if isinstance(text, str) and not blank(text):
+        return text
+    same = pc.equal(ids, pa.scalar(value, ids.type)).to_numpy(zero_copy_only=False)
+    for at in np.flatnonzero(same[row + 1:]) + row + 1:
+        text = texts[int(at)].as_py()
+        if isinstance(text, str) and not blank(text):
+            return text
+    return None
+
+
+def _clip(text: str, chars: int) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= chars else flat[: chars - 1] + "…"

@@ -162,6 +162,18 @@ def test_an_ids_first_valid_row_is_the_one_kept(tmp_path):
     assert kept == {1: "a1", 2: "b", 3: "c", 4: "d"}
 
 
+def test_an_ids_snippet_is_the_text_of_the_row_kept(tmp_path):
+    """With --dedupe, search showed the text of an id's first row though that row was skipped
+    (blank, null) and a later one embedded: in the same row group, or in a later one."""
+    ids = [1, 2, 3, 1, 2, 4, 1, 5, 5]
+    texts = ["   ", None, "c", "a1", "b", "d", "a2", "", None]
+    write_corpus(tmp_path / "a.parquet", ids, texts, row_group_size=4)
+    snippets = SnippetStore(str(tmp_path / "a.parquet"))
+    assert snippets.texts([1, 2, 3, 4, 5]) == {1: "a1", 2: "b", 3: "c", 4: "d"}
+    write_corpus(tmp_path / "a.parquet", ids, texts, row_group_size=2)
+    assert SnippetStore(str(tmp_path / "a.parquet")).texts([1, 2]) == {1: "a1", 2: "b"}
+
+
 def test_texts_are_read_only_where_an_id_repeats(tmp_path, monkeypatch):
     ids = [1, 2, 3, 4, 5, 6, 1, 8]  # row groups of 2: id 1 in groups 0 and 3 only
     write_corpus(tmp_path / "a.parquet", ids, ["t"] * 8, row_group_size=2)
