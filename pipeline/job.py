@@ -1,11 +1,12 @@
 """Embed one shard into every set that needs it: the unit of work a flow task runs.
 
-For each set the shard's previous vectors (its own part and any older overlapping range of
-the same file) are looked up by id and content hash: unchanged rows reuse their vector,
-new or changed rows are embedded, rows gone from the shard are recorded as removed. All sets
-share ONE forward pass over the rows any of them needs, and identical texts share one forward
-pass. A set's part and hashes are written first, its done marker last; a set whose rows and
-hashes are unchanged is not rewritten. What the shard did goes into one ``ShardStats``.
+For each set the shard's stored vectors (``pipeline.reuse``: its own part and any older
+overlapping range of the same file, then the parts its rows may have moved from) are looked up
+by id and content hash: unchanged rows reuse their vector, new or changed rows are embedded,
+rows gone from the shard are recorded as removed. All sets share ONE forward pass over the rows
+any of them needs, and identical texts share one forward pass. A set's part and hashes are
+written first, its done marker last; a set whose rows and hashes are unchanged is not
+rewritten. What the shard did goes into one ``ShardStats``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict
@@ -29,6 +29,7 @@ from pipeline.config import EmbedJob
 from pipeline.corpus import Chunk, read_shard
 from pipeline.errors import FingerprintError
 from pipeline.models.hashing import int8_hint
+from pipeline.reuse import StoredVectors
 from pipeline.sets import SetFolder, ShardMarker, quarantine_url
 from pipeline.shards import Shard
 from pipeline.stages import prefetch
@@ -43,6 +44,7 @@ class SetWork(BaseModel):
 
     name: str
     previous: list[str] = []
+    moved: list[str] = []  # the run's shards whose rows may have moved (``pipeline.reuse``)
     prior: ShardMarker | None = None
     fingerprint: str | None = None  # the set's, as claimed: the worker's model must make it
 
@@ -86,43 +88,6 @@ class ShardResult(BaseModel):
     @property
     def skipped(self) -> dict[str, int]:
         return self.stats.skipped
-
-
-# ---- reuse of stored vectors (set IO: reading) ---------------------------------------------
-
-
-class _Previous:
-    """Stored vectors of a set's earlier shards, found again by (id, content hash) in a join."""
-
-    def __init__(self, out: str, name: str, shards: list[str]) -> None:
-        keys, vectors, offset = [], [], 0
-        folder = SetFolder(out, name)
-        for shard in shards:
-            ids, hashes, _ = folder.read_hashes(shard)
-            if not len(ids) or not folder.has_part(shard):
-                continue
-            part_ids, part = folder.read_part(shard)
-            if not part_ids.equals(ids):
-                continue  # part and hashes disagree (should not happen): do not trust either
-            keys.append(_keys(ids, hashes).with_columns(at=np.arange(offset, offset + len(ids))))
-            vectors.append(part)
-            offset += len(ids)
-        self.keys = pl.concat(keys) if keys else None
-        self.vectors = np.concatenate(vectors) if vectors else None
-
-    def lookup(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
-        """Row in ``vectors`` of each (id, hash); -1 where nothing stored matches."""
-        found = np.full(len(ids), -1, np.int64)
-        if self.keys is None or not len(ids):
-            return found
-        query = _keys(ids, hashes).with_row_index("pos")
-        hits = query.join(self.keys, on=["id", "hash"], how="inner")
-        found[hits["pos"].to_numpy()] = hits["at"].to_numpy()
-        return found
-
-
-def _keys(ids: pa.Array, hashes: np.ndarray) -> pl.DataFrame:
-    return pl.DataFrame({"id": pl.from_arrow(ids), "hash": pl.Series(hashes, dtype=pl.UInt64)})
 
 
 # ---- the stages of a shard -----------------------------------------------------------------
@@ -175,7 +140,9 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     """
     started = time.perf_counter()
     stats, reader = ShardStats(), ShardStats()  # the reader thread keeps its own, added last
-    previous = {w.name: _Previous(request.job.out, w.name, w.previous) for w in request.sets}
+    previous = {w.name: StoredVectors(request.job.out, w.name, w.previous, w.moved,
+                                      request.generation[w.name], request.shard.rows)
+                for w in request.sets}
     quarantine: list[pa.Table] = []
     faults.hit("read_shard", request.shard.id)
     model = _Model(request)
@@ -194,7 +161,7 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     stats = ShardStats.total([stats, reader])
     tick = time.perf_counter()
     _write_quarantine(request, quarantine)
-    outcomes = _write_sets(request, collected, stats.skipped)
+    outcomes = _write_sets(request, collected, previous, stats.skipped)
     stats.add_seconds("write", time.perf_counter() - tick)
     release_freed_memory()
     return ShardResult(shard=request.shard.id, sets=outcomes, stats=stats,
@@ -210,14 +177,15 @@ def _encode(model: _Model, piece: _Slice, encoded: _Encoded, stats: ShardStats) 
     encoded.add(out.vectors)
 
 
-def _write_sets(request: ShardRequest, collected: _Collected, skipped: dict[str, int]
+def _write_sets(request: ShardRequest, collected: _Collected,
+                previous: dict[str, StoredVectors], skipped: dict[str, int]
                 ) -> list[SetOutcome]:
     """Stage 3: each set's part, hashes and marker (see ``_write_set``)."""
     ids, hashes = collected.id_array(_id_type(request)), collected.hash_array()
     outcomes = []
     for work in request.sets:
-        written, removed = _write_set(request, work, ids, hashes,
-                                      collected.matrix(work.name), skipped)
+        written, removed = _write_set(request, work, ids, hashes, collected.matrix(work.name),
+                                      previous[work.name], skipped)
         outcomes.append(SetOutcome(
             name=work.name, rows=len(ids), embedded=collected.embedded[work.name],
             reused=collected.reused[work.name], removed=removed, written=written))
@@ -259,7 +227,7 @@ class _Collected:
         self.embedded = dict.fromkeys(names, 0)
         self.reused = dict.fromkeys(names, 0)
 
-    def add(self, piece: _Slice, encoded: _Encoded, previous: dict[str, _Previous]) -> None:
+    def add(self, piece: _Slice, encoded: _Encoded, previous: dict[str, StoredVectors]) -> None:
         for name, found in piece.found.items():
             self.vectors[name].append(
                 _assemble(piece, found, encoded.of(name), previous[name]))
@@ -332,7 +300,7 @@ def _id_type(request: ShardRequest) -> pa.DataType:
     return arrow_id_type(request.id_type)
 
 
-def _read_slices(request: ShardRequest, model: _Model, previous: dict[str, _Previous],
+def _read_slices(request: ShardRequest, model: _Model, previous: dict[str, StoredVectors],
                  stats: ShardStats, quarantine: list[pa.Table]) -> Iterator[_Slice]:
     """Stage 1 (runs ahead in a thread): read, validate, look up, dedupe and tokenize."""
     job, shard = request.job, request.shard
@@ -371,16 +339,16 @@ def _read_slices(request: ShardRequest, model: _Model, previous: dict[str, _Prev
             start = end
 
 
-def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _Previous
+def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: StoredVectors
               ) -> np.ndarray:
     """A slice's vectors for one set: stored ones where found, else the encoded ones."""
     hit = found >= 0
-    width = previous.vectors.shape[1] if hit.any() else encoded.shape[1]
+    width = previous.width if hit.any() else encoded.shape[1]
     matrix = np.empty((len(found), width), np.float32)
     if len(piece.need):
         matrix[piece.need] = encoded[piece.source]
     if hit.any():
-        matrix[hit] = previous.vectors[found[hit]]
+        matrix[hit] = previous.take(found[hit])
     return matrix
 
 
@@ -388,9 +356,10 @@ def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: _
 
 
 def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.ndarray,
-               matrix: np.ndarray | None, skipped: dict[str, int]) -> tuple[bool, int]:
-    """Removals, the old marker, part, hashes, then the new marker; only the marker if the
-    rows are unchanged.
+               matrix: np.ndarray | None, stored: StoredVectors, skipped: dict[str, int]
+               ) -> tuple[bool, int]:
+    """Removals (and the vectors of the rows that left, for the run's other shards), the old
+    marker, part, hashes, then the new marker; only the marker if the rows are unchanged.
 
     Returns (part written, rows removed from this shard).
     """
@@ -423,11 +392,13 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
         if refreshed != work.prior:
             folder.write_marker(refreshed)
         return False, 0
-    removed = (  # no stored ids: an empty array of null type
-        old_ids.filter(pc.invert(pc.is_in(old_ids, value_set=ids))).to_pylist()
-        if len(old_ids) else []
-    )
+    left = (pc.invert(pc.is_in(old_ids, value_set=ids)).to_numpy(zero_copy_only=False)
+            if len(old_ids) else np.zeros(0, bool))  # no stored ids: an array of null type
+    removed = old_ids.filter(left).to_pylist()
     folder.record_removed(generation, shard.id, removed)
+    if removed and work.moved:
+        _keep_leftovers(folder, generation, shard.id, old_ids.filter(left), old_hashes[left],
+                        stored)
     if work.prior is not None:  # its rows change: not done until the new marker (a run that
         folder.remove_marker(shard.id)  # dies in between must not leave the old one on them)
     faults.hit("write_part", f"{shard.id}/{work.name}")
@@ -440,6 +411,17 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
     _fence(request)  # the marker makes the part the set's: only while OUT is still this run's
     folder.write_marker(marker)
     return True, len(removed)
+
+
+def _keep_leftovers(folder: SetFolder, generation: int, shard: str, ids: pa.Array,
+                    hashes: np.ndarray, stored: StoredVectors) -> None:
+    """The stored vectors of rows that left ``shard``, kept until the run's end: another
+    shard of the run may have received them (``SetFolder.write_leftovers``)."""
+    rows = stored.find(ids, hashes)
+    kept = np.flatnonzero(rows >= 0)
+    if len(kept):
+        folder.write_leftovers(generation, shard, ids.take(pa.array(kept)), hashes[kept],
+                               stored.take(rows[kept]))
 
 
 def _fence(request: ShardRequest) -> None:

@@ -191,12 +191,13 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
     generation = {name: meta.generation + 1 for name, meta in metas.items()}
     markers = {name: SetFolder(job.out, name).read_markers() for name in metas}
     quarantined = quarantined_shards(job.out) if job.quarantine else None
+    signatures = {s.id: _signature(s, duplicates) for s in shards}
+    moved = {name: _moved_from(shards, signatures, found) for name, found in markers.items()}
     requests = []
     for shard in shards:
-        drop = _drops(duplicates, shard)
-        signature = stable_hash([shard.signature, drop]) if drop else shard.signature
+        signature = signatures[shard.id]
         work = [
-            _set_work(shard, markers[name], metas[name])
+            _set_work(shard, markers[name], metas[name], moved[name])
             for name in metas
             if verify or not _done(markers[name].get(shard.id), signature, shard.content,
                                    quarantined)
@@ -210,7 +211,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
                     id_type=id_type,
                     generation=generation,
                     sets=work,
-                    drop_rows=drop,
+                    drop_rows=_drops(duplicates, shard),
                     lease=lease,
                 )
             )
@@ -301,14 +302,33 @@ def _done(marker: ShardMarker | None, signature: str, content: str,
     return quarantined is None or not marker.skipped or marker.shard in quarantined
 
 
-def _set_work(shard: Shard, markers: dict[str, ShardMarker], meta: SetMeta) -> SetWork:
+def _set_work(shard: Shard, markers: dict[str, ShardMarker], meta: SetMeta, moved: list[str]
+              ) -> SetWork:
     previous = [
         m.shard
         for m in markers.values()
         if shard.overlaps(m.file, m.first_group, m.end_group)
     ]
-    return SetWork(name=meta.name, previous=sorted(previous), prior=markers.get(shard.id),
-                   fingerprint=meta.fingerprint)
+    return SetWork(name=meta.name, previous=sorted(previous), moved=moved,
+                   prior=markers.get(shard.id), fingerprint=meta.fingerprint)
+
+
+def _signature(shard: Shard, duplicates: Duplicates) -> str:
+    """The shard's signature, with the duplicate rows it drops."""
+    drop = _drops(duplicates, shard)
+    return stable_hash([shard.signature, drop]) if drop else shard.signature
+
+
+def _moved_from(shards: list[Shard], signatures: dict[str, str],
+                markers: dict[str, ShardMarker]) -> list[str]:
+    """The done shards whose rows may have moved to other shards: gone from the plan, or their
+    rows changed (a file renamed, rewritten in another order, merged into others). A shard
+    that is done as planned still holds its rows."""
+    planned = {s.id: s for s in shards}
+    return sorted(
+        sid for sid, marker in markers.items()
+        if sid not in planned or not _done(marker, signatures[sid], planned[sid].content)
+    )
 
 
 def finalize(plan: RunPlan, results: list[ShardResult], seconds: float,

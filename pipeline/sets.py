@@ -10,6 +10,9 @@ Layout (readers take the parts whose shard has a marker, ``_SET.json`` and ``_ch
     _done/<shard>.json          ShardMarker, written after the part and its hashes
     _removed/<gen>-<shard>.json ids a run of that generation removed, written BEFORE the part
                                 that drops them, so a crash cannot lose a deletion
+    _removed/<gen>-<shard>.parquet  id, hash, embedding of the stored rows that left the shard
+                                in that generation: another shard of the run may receive them
+                                (rows reordered or moved between files); gone at the run's end
 
 A shard counts as done only through its marker, and the marker is written last, so a crash
 at any point leaves either a complete shard or one that the next run redoes; readers see the
@@ -351,6 +354,21 @@ class SetFolder:
     def write_marker(self, marker: ShardMarker) -> None:
         storage.write_json(self._marker_url(marker.shard), marker.model_dump(mode="json"))
 
+    def read_marker(self, shard: str) -> ShardMarker | None:
+        """A shard's done marker; None if it has none or it is not one (damaged JSON)."""
+        url = self._marker_url(shard)
+        try:
+            raw = storage.read_bytes(url) if storage.exists(url) else None
+        except StorageError:
+            if storage.exists(url):
+                raise
+            raw = None  # removed between the two calls
+        try:
+            marker = ShardMarker.model_validate_json(raw) if raw is not None else None
+        except ValueError:
+            return None
+        return marker if marker is not None and marker.shard == shard else None
+
     def read_markers(self) -> dict[str, ShardMarker]:
         """Done markers by shard id. A marker that is not one (damaged JSON, missing fields)
         is skipped: its shard is redone. A marker that cannot be read (the store failed) is an
@@ -378,8 +396,8 @@ class SetFolder:
 
     # ---- removals and changes --------------------------------------------------------------
 
-    def _removed_url(self, generation: int, shard: str) -> str:
-        return self._at("_removed", f"{generation:06d}-{file_name(shard, 'a shard id')}.json")
+    def _removed_url(self, generation: int, shard: str, suffix: str = ".json") -> str:
+        return self._at("_removed", f"{generation:06d}-{file_name(shard, 'a shard id')}{suffix}")
 
     def record_removed(self, generation: int, shard: str, ids: list) -> None:
         """Add ``ids`` to what ``generation`` removed from ``shard`` (merged with earlier
@@ -391,14 +409,46 @@ class SetFolder:
         payload = {"generation": generation, "ids": list(dict.fromkeys(earlier + ids))}
         storage.write_json(url, payload)
 
-    def _removed_records(self) -> list[tuple[int, str]]:
-        """(generation, url) of every ``_removed`` file; names are checked, not trusted."""
+    def write_leftovers(self, generation: int, shard: str, ids: pa.Array, hashes: np.ndarray,
+                        vectors: np.ndarray) -> None:
+        """Keep the stored rows that left ``shard`` in ``generation`` (id, hash, vector) until
+        the run's end: a shard of the same run that received them reuses them
+        (``pipeline.reuse``) though their part was rewritten. Merged with earlier attempts."""
+        if not len(ids):
+            return
+        url = self._removed_url(generation, shard, ".parquet")
+        flat = pa.array(np.ascontiguousarray(vectors, np.float32).ravel(), pa.float32())
+        table = pa.table({"id": ids, "hash": pa.array(hashes, pa.uint64()),
+                          "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])})
+        if storage.exists(url):
+            table = pa.concat_tables([storage.read_parquet(url), table], promote_options="none")
+        storage.write_parquet(url, table)
+
+    def read_leftovers(self, generation: int, skip: Iterable[str] = ()
+                       ) -> dict[str, tuple[pa.Array, np.ndarray, np.ndarray]]:
+        """url -> (ids, hashes, vectors) of the leftovers of ``generation`` (not those at the
+        urls in ``skip``)."""
+        found = {}
+        for g, url in self._removed_records(".parquet"):
+            if g == generation and url not in skip:
+                table = storage.read_parquet(url)
+                column = table.column("embedding").combine_chunks()
+                vectors = column.values.to_numpy(zero_copy_only=False).reshape(
+                    -1, column.type.list_size)
+                hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
+                found[url] = (table.column("id").combine_chunks(), hashes, vectors)
+        return found
+
+    def _removed_records(self, suffix: str = ".json") -> list[tuple[int, str]]:
+        """(generation, url) of every ``_removed`` file (the removal records, or the
+        ``.parquet`` leftovers); names are checked, not trusted."""
         found = []
-        for url in storage.list_files(self._at("_removed"), ".json"):
+        for url in storage.list_files(self._at("_removed"), suffix):
             name = file_name(url.rsplit("/", 1)[-1], self._at("_removed"))
             generation, dash, _ = name.partition("-")
             if not (dash and generation.isdigit()):
-                raise StorageError(f"{url}: not a removal record name (<generation>-<shard>.json)")
+                raise StorageError(
+                    f"{url}: not a removal record name (<generation>-<shard>{suffix})")
             found.append((int(generation), self._at("_removed", name)))
         return found
 
@@ -417,8 +467,9 @@ class SetFolder:
         return list(dict.fromkeys(found))
 
     def clear_removed(self, up_to: int) -> None:
-        """Forget removal records of generations already written to a changes file."""
-        for g, url in self._removed_records():
+        """Forget removal records (and leftovers) of generations already written to a
+        changes file."""
+        for g, url in self._removed_records() + self._removed_records(".parquet"):
             if g <= up_to:
                 storage.remove(url)
 

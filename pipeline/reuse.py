@@ -1,0 +1,201 @@
+"""A set's stored vectors, found again by (id, content hash) for the rows a shard reads.
+
+Where a shard looks first: its own part and any older part of an overlapping range of the same
+file (``SetWork.previous``). A row that is not there may have moved: a file renamed, rows
+reordered or merged into other files by a compaction. The run's planner names the shards whose
+rows may have left them (``SetWork.moved``: shards gone from the plan or whose file changed),
+and the keys those shards held are read once per run and process (``_moved_keys``). A part
+found there is read again with its hashes between two reads of its done marker: its rows are
+taken only if that marker stood unchanged throughout, so a part another worker is rewriting
+is never mixed with the hashes of its last version.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from pipeline.errors import StorageError
+from pipeline.sets import SetFolder
+
+# whole parts a shard takes in, in rows per row of the shard: beyond this, only the rows a
+# slice asks for are taken (a corpus shuffled across files would otherwise hold all of it)
+ABSORB_PER_ROW = 4
+
+
+class StoredVectors:
+    """The vectors of one set that a shard may reuse, numbered in the order they were read."""
+
+    def __init__(self, out: str, name: str, previous: list[str], moved: list[str] = (),
+                 generation: int = 0, shard_rows: int = 0) -> None:
+        self.folder = SetFolder(out, name)
+        self._blocks: list[np.ndarray] = []
+        self._starts: list[int] = []
+        self._frames: list[pl.DataFrame] = []
+        self.keys: pl.DataFrame | None = None
+        self.size = 0
+        for shard in previous:
+            ids, hashes, _ = self.folder.read_hashes(shard)
+            if len(ids) and self.folder.has_part(shard):
+                part_ids, part = self.folder.read_part(shard)
+                if part_ids.equals(ids):  # else part and hashes disagree: trust neither
+                    self._add(_keys(ids, hashes), part)
+        self._moved = list(moved)  # the run's whole list: one cache entry for every shard
+        self._spent = {i for i, s in enumerate(self._moved) if s in set(previous)}
+        self._generation = generation
+        self._budget = ABSORB_PER_ROW * shard_rows
+        self._spent_files: set[str] = set()  # leftover files taken in whole
+        self._lock = threading.Lock()
+
+    def lookup(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
+        """Stored row of each (id, hash), taking in the parts and leftovers its rows moved
+        from; -1 where nothing stored matches."""
+        found = self.find(ids, hashes)
+        if self._moved and (found < 0).any():
+            with self._lock:
+                if self._take_moved(ids, hashes, found < 0):
+                    found = self.find(ids, hashes)
+        return found
+
+    def find(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
+        """Stored row of each (id, hash) among the vectors read so far; -1 where none."""
+        found = np.full(len(ids), -1, np.int64)
+        if self.keys is None or not len(ids):
+            return found
+        hits = _keys(ids, hashes).with_row_index("pos").join(self.keys, on=["id", "hash"])
+        found[hits["pos"].to_numpy()] = hits["at"].to_numpy()
+        return found
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """The stored vectors of ``rows`` (all found by ``lookup``)."""
+        if len(self._blocks) == 1:
+            return self._blocks[0][rows]
+        block = np.searchsorted(self._starts, rows, side="right") - 1
+        out = np.empty((len(rows), self.width), np.float32)
+        for b in np.unique(block):
+            at = block == b
+            out[at] = self._blocks[b][rows[at] - self._starts[b]]
+        return out
+
+    @property
+    def width(self) -> int:
+        return self._blocks[0].shape[1]
+
+    def _add(self, keys: pl.DataFrame, vectors: np.ndarray, source: str = "") -> None:
+        """Append ``vectors`` with their (id, hash) ``keys``: rows ``size`` on."""
+        if self._blocks and vectors.shape[1] != self.width:
+            raise StorageError(f"{source or self.folder}: vectors of {vectors.shape[1]} "
+                               f"dimensions in a set of {self.width}")
+        self._frames.append(keys.with_columns(at=np.arange(self.size, self.size + len(keys))))
+        self.keys = pl.concat(self._frames)
+        self._starts.append(self.size)
+        self._blocks.append(vectors)
+        self.size += len(keys)
+
+    def _take_moved(self, ids: pa.Array, hashes: np.ndarray, missing: np.ndarray) -> bool:
+        """Take in the stored rows that ``missing`` rows moved from: the parts of the run's
+        moved-from shards, then the rows that left shards this run already rewrote; whether
+        any were taken."""
+        wanted = _keys(ids, hashes).filter(pl.Series(missing))
+        taken = self._take_parts(wanted)
+        if taken:
+            wanted = wanted.filter(pl.Series(self.find(*_columns(wanted)) < 0))
+        return self._take_leftovers(wanted) or taken
+
+    def _take_leftovers(self, wanted: pl.DataFrame) -> bool:
+        """Rows of ``wanted`` among the leftovers of this generation not read yet."""
+        taken = False
+        for url, (ids, hashes, vectors) in self.folder.read_leftovers(
+                self._generation, skip=self._spent_files).items():
+            keys = _keys(ids, hashes)
+            if self._budget > 0:  # taken in whole: never read again
+                self._spent_files.add(url)
+                self._budget -= len(keys)
+            else:
+                rows = keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"]
+                keys, vectors = keys[rows], vectors[rows.to_numpy()]
+            if len(keys):
+                self._add(keys, vectors, url)
+                taken = True
+        return taken
+
+    def _take_parts(self, wanted: pl.DataFrame) -> bool:
+        """Rows of ``wanted`` in the parts of the run's moved-from shards."""
+        known = _moved_keys(self.folder, self._moved, self._generation)
+        if known is None:
+            return False
+        hits = wanted.join(known, on=["id", "hash"])
+        taken = False
+        for index in hits["shard"].unique().sort().to_list():
+            if index in self._spent:
+                continue
+            whole = self._budget > 0
+            found = self._read_moved(self._moved[index], None if whole else wanted)
+            if whole:  # taken in whole (or unusable): never read again
+                self._spent.add(index)
+            if found is None:
+                continue
+            keys, vectors = found
+            self._budget -= len(keys) if whole else 0
+            if len(keys):
+                self._add(keys, vectors)
+                taken = True
+        return taken
+
+    def _read_moved(self, shard: str, wanted: pl.DataFrame | None
+                    ) -> tuple[pl.DataFrame, np.ndarray] | None:
+        """A moved-from shard's keys and vectors (only those in ``wanted`` if given), or None
+        if its marker changed or went while they were read, or part and hashes disagree."""
+        before = self.folder.read_marker(shard)
+        if before is None:
+            return None
+        try:
+            ids, hashes, _ = self.folder.read_hashes(shard)
+            part_ids, vectors = self.folder.read_part(shard) if len(ids) else (ids, None)
+        except StorageError:
+            if self.folder.read_marker(shard) == before:
+                raise
+            return None  # another worker rewrote it meanwhile: its files came and went
+        if not len(ids) or not part_ids.equals(ids) or self.folder.read_marker(shard) != before:
+            return None
+        keys = _keys(ids, hashes)
+        if wanted is None:
+            return keys, vectors
+        rows = keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"].to_numpy()
+        return keys[rows].select("id", "hash"), vectors[rows]
+
+
+def _keys(ids: pa.Array, hashes: np.ndarray) -> pl.DataFrame:
+    return pl.DataFrame({"id": pl.from_arrow(ids), "hash": pl.Series(hashes, dtype=pl.UInt64)})
+
+
+def _columns(keys: pl.DataFrame) -> tuple[pa.Array, np.ndarray]:
+    return keys["id"].to_arrow(), keys["hash"].to_numpy()
+
+
+# ---- the keys of the shards rows may have moved from, once per run and process -------------
+
+_MOVED: dict[tuple[str, str], tuple[tuple, pl.DataFrame]] = {}
+_MOVED_LOCK = threading.Lock()
+
+
+def _moved_keys(folder: SetFolder, shards: list[str], generation: int) -> pl.DataFrame | None:
+    """(id, hash, shard) of every row ``shards`` held when first asked in this run (None if
+    none): ``shard`` is the index in ``shards`` (a stale answer only misses: each part is read
+    again before its rows are taken)."""
+    key = (tuple(shards), generation)
+    with _MOVED_LOCK:
+        cached = _MOVED.get((folder.out, folder.name))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        frames = []
+        for index, shard in enumerate(shards):
+            ids, hashes, _ = folder.read_hashes(shard)
+            if len(ids):
+                frames.append(_keys(ids, hashes).with_columns(shard=pl.lit(index, pl.Int32)))
+        known = pl.concat(frames) if frames else None
+        _MOVED[(folder.out, folder.name)] = (key, known)
+        return known

@@ -1,0 +1,97 @@
+"""Rows that move between shards keep their stored vectors (``pipeline.reuse``): a file
+renamed, rewritten in another row order, rows moved to another file. Before, an incremental
+run found stored vectors only in the shard's own range of the same file, and re-embedded
+every such row."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from _flowkit import job, read_set, run_library, text_for, write_corpus
+
+from pipeline.errors import StorageError
+from pipeline.reuse import StoredVectors
+from pipeline.sets import SetFolder
+
+ROWS = [(i, text_for(i)) for i in range(100)]
+
+
+def _write(path: Path, rows: list[tuple[int, str]]) -> None:
+    write_corpus(path, [i for i, _ in rows], [t for _, t in rows])
+
+
+def _first_run(tmp_path: Path, model: Path) -> tuple[dict, dict]:
+    _write(tmp_path / "c" / "a.parquet", ROWS)
+    spec = job(tmp_path / "c", tmp_path / "out", model)  # 20 rows a shard: 5 shards
+    assert run_library(spec).embedded == 100
+    return spec, read_set(tmp_path / "out", "mean")
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_rows_reordered_across_the_shards_of_a_file_are_not_embedded_again(tmp_path,
+                                                                           tiny_model_dir):
+    spec, before = _first_run(tmp_path, tiny_model_dir)
+    shuffled = ROWS[:]
+    random.Random(0).shuffle(shuffled)
+    _write(tmp_path / "c" / "a.parquet", shuffled)
+    summary = run_library(spec, verify=True)
+    assert (summary.embedded, summary.reused, summary.removed) == (0, 100, 0)
+    assert _same(read_set(tmp_path / "out", "mean"), before)
+    assert not list((tmp_path / "out" / "sets" / "mean" / "_removed").glob("*"))
+
+
+def test_a_renamed_file_and_rows_moved_between_files_keep_their_vectors(tmp_path,
+                                                                        tiny_model_dir):
+    spec, before = _first_run(tmp_path, tiny_model_dir)
+    (tmp_path / "c" / "a.parquet").rename(tmp_path / "c" / "b.parquet")
+    summary = run_library(spec, verify=True)
+    assert (summary.embedded, summary.reused) == (0, 100)
+    assert _same(read_set(tmp_path / "out", "mean"), before)
+
+    # a compaction: the rows split over two new files; one text changed, one row deleted
+    moved = [(i, "a changed text" if i == 50 else t) for i, t in ROWS if i != 7]
+    (tmp_path / "c" / "b.parquet").unlink()
+    _write(tmp_path / "c" / "x.parquet", moved[::2])
+    _write(tmp_path / "c" / "y.parquet", moved[1::2])
+    summary = run_library(spec, verify=True)
+    assert (summary.embedded, summary.reused, summary.removed) == (1, 98, 1)
+    after = read_set(tmp_path / "out", "mean")
+    fresh = tmp_path / "fresh"
+    run_library(job(tmp_path / "c", fresh, tiny_model_dir))
+    expected = read_set(fresh, "mean")
+    assert after.keys() == expected.keys()
+    assert all(np.array_equal(after[k], before[k]) for k in after if k != 50)
+    assert np.allclose(after[50], expected[50], atol=1e-6)
+
+
+def test_a_moved_from_part_is_not_read_once_its_marker_changed(tmp_path, tiny_model_dir):
+    """A part another worker is rewriting (its marker gone or new) is not mixed with the
+    hashes of its last version: its rows are not taken."""
+    _first_run(tmp_path, tiny_model_dir)
+    folder = SetFolder(str(tmp_path / "out"), "mean")
+    markers = folder.read_markers()
+    [shard] = [s for s in markers if s.endswith("g00002-00004")]
+    ids, hashes, _ = folder.read_hashes(shard)
+    stored = StoredVectors(folder.out, "mean", [], [shard], generation=2, shard_rows=20)
+    assert (stored.lookup(ids, hashes) >= 0).all()
+    folder.remove_marker(shard)
+    fresh = StoredVectors(folder.out, "mean", [], [shard], generation=3, shard_rows=20)
+    assert (fresh.lookup(ids, hashes) == -1).all()
+
+
+def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir):
+    _first_run(tmp_path, tiny_model_dir)
+    folder = SetFolder(str(tmp_path / "out"), "mean")
+    shard = sorted(folder.read_markers())[0]
+    stored = StoredVectors(folder.out, "mean", [shard], ["gone"], generation=2, shard_rows=20)
+    folder.write_leftovers(2, "other", pa.array([500]), np.array([7], np.uint64),
+                           np.zeros((1, 5), np.float32))
+    with pytest.raises(StorageError, match="vectors of 5 dimensions in a set of 32"):
+        stored.lookup(pa.array([500]), np.array([7], np.uint64))
