@@ -111,6 +111,8 @@ class StoredVectors:
         for url, (ids, hashes, vectors) in self.folder.read_leftovers(
                 self._generation, skip=self._spent_files).items():
             keys = _keys(ids, hashes)
+            if keys.schema != wanted.schema:
+                raise StorageError(f"{url}: ids of type {ids.type}, not the set's")
             if self._budget > 0:  # taken in whole: never read again
                 self._spent_files.add(url)
                 self._budget -= len(keys)

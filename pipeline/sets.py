@@ -136,6 +136,14 @@ class ShardMarker(BaseModel):
     generation: int  # the generation that last wrote the part
 
 
+def _leftovers_schema(schema: pa.Schema) -> bool:
+    """Whether ``schema`` is that of ``SetFolder.write_leftovers``'s files."""
+    if schema.names != ["id", "hash", "embedding"] or schema.field("hash").type != pa.uint64():
+        return False
+    vectors = schema.field("embedding").type
+    return pa.types.is_fixed_size_list(vectors) and vectors.value_type == pa.float32()
+
+
 class SetChanges(BaseModel):
     """``_changes/<generation>.json``: part names (validated) and ids deleted by that run."""
 
@@ -432,6 +440,9 @@ class SetFolder:
         for g, url in self._removed_records(".parquet"):
             if g == generation and url not in skip:
                 table = storage.read_parquet(url)
+                if not _leftovers_schema(table.schema):
+                    raise StorageError(f"{url}: not a leftovers file (id, hash uint64, "
+                                       "embedding fixed_size_list<float>)")
                 column = table.column("embedding").combine_chunks()
                 vectors = column.values.to_numpy(zero_copy_only=False).reshape(
                     -1, column.type.list_size)

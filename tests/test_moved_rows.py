@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from _flowkit import job, read_set, run_library, text_for, write_corpus
 
@@ -94,4 +95,20 @@ def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir):
     folder.write_leftovers(2, "other", pa.array([500]), np.array([7], np.uint64),
                            np.zeros((1, 5), np.float32))
     with pytest.raises(StorageError, match="vectors of 5 dimensions in a set of 32"):
+        stored.lookup(pa.array([500]), np.array([7], np.uint64))
+
+
+def test_leftovers_of_another_shape_are_one_line(tmp_path, tiny_model_dir):
+    _first_run(tmp_path, tiny_model_dir)
+    folder = SetFolder(str(tmp_path / "out"), "mean")
+    stored = StoredVectors(folder.out, "mean", [], ["gone"], generation=2, shard_rows=20)
+    url = tmp_path / "out" / "sets" / "mean" / "_removed" / "000002-other.parquet"
+    url.parent.mkdir()
+    pq.write_table(pa.table({"id": [500], "hash": ["x"]}), url)
+    with pytest.raises(StorageError, match="not a leftovers file"):
+        stored.lookup(pa.array([500]), np.array([7], np.uint64))
+    url.unlink()
+    folder.write_leftovers(2, "other", pa.array(["500"]), np.array([7], np.uint64),
+                           np.zeros((1, 32), np.float32))
+    with pytest.raises(StorageError, match="ids of type string, not the set's"):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))
