@@ -23,7 +23,7 @@ from pipeline.sets import SetFolder
 
 # whole parts a shard takes in, in rows per row of the shard: beyond this, only the rows a
 # slice asks for are taken (a corpus shuffled across files would otherwise hold all of it)
-ABSORB_PER_ROW = 4
+ABSORB_PER_ROW = 2
 
 
 class StoredVectors:

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from _flowkit import job, read_set, run_library, text_for, write_corpus
 
+from pipeline import reuse
 from pipeline.errors import StorageError
 from pipeline.reuse import StoredVectors
 from pipeline.sets import SetFolder
@@ -36,8 +37,12 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def test_rows_reordered_across_the_shards_of_a_file_are_not_embedded_again(tmp_path,
-                                                                           tiny_model_dir):
+@pytest.mark.parametrize("absorb", [reuse.ABSORB_PER_ROW, 0], ids=["whole", "rows"])
+def test_rows_reordered_across_the_shards_of_a_file_are_not_embedded_again(
+        tmp_path, tiny_model_dir, monkeypatch, absorb):
+    """``rows``: no part or leftovers file is taken in whole (a shard's budget spent), only
+    the rows each slice asks for."""
+    monkeypatch.setattr(reuse, "ABSORB_PER_ROW", absorb)
     spec, before = _first_run(tmp_path, tiny_model_dir)
     shuffled = ROWS[:]
     random.Random(0).shuffle(shuffled)
