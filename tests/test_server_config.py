@@ -32,6 +32,17 @@ def test_an_ambiguous_empty_or_unreadable_key_is_refused(tmp_path, flag, env, re
         api_key(str(tmp_path / flag) if flag else None, env)
 
 
+@pytest.mark.parametrize(("flag", "env", "reason"), [
+    ("", {}, "--api-key-file is empty"),
+    (" ", {"EMBEDPIPE_API_KEY": "a"}, "--api-key-file is empty"),
+    (None, {"EMBEDPIPE_API_KEY_FILE": ""}, "EMBEDPIPE_API_KEY_FILE is empty"),
+])
+def test_an_empty_key_file_name_is_refused_not_served_without_a_key(flag, env, reason):
+    """``--api-key-file "$KEYFILE"`` with the variable unset served with no key at all."""
+    with pytest.raises(ConfigError, match=reason):
+        api_key(flag, env)
+
+
 @pytest.mark.parametrize(("names", "configured", "chosen"), [
     (["cls", "mean"], None, "mean"),
     (["a", "mean", "model"], None, "model"),

@@ -48,6 +48,10 @@ def api_key(key_file: str | None = None, env: Mapping[str, str] = os.environ) ->
     A key given both ways is refused rather than one silently winning; an empty key or an
     unreadable file is an error, never "no authentication".
     """
+    for given, where in ((key_file, "--api-key-file"), (env.get(KEY_FILE_ENV), KEY_FILE_ENV)):
+        if given is not None and not given.strip():  # "$UNSET_VAR": never "no authentication"
+            raise ConfigError(f"{where} is empty; name the key file, or leave it out to serve "
+                              "without a key")
     key_file = key_file or env.get(KEY_FILE_ENV) or None
     if key_file and env.get(API_KEY_ENV):
         raise ConfigError(f"both {API_KEY_ENV} and an API key file ({key_file}) are set; use one")
