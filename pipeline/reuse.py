@@ -180,7 +180,8 @@ def _columns(keys: pl.DataFrame) -> tuple[pa.Array, np.ndarray]:
 
 # ---- the keys of the shards rows may have moved from, once per run and process -------------
 
-_MOVED: dict[tuple[str, str], tuple[tuple, pl.DataFrame]] = {}
+_MOVED: dict[tuple[str, str], tuple[tuple, pl.DataFrame | None]] = {}
+_MOVED_SETS = 8  # sets whose keys a process keeps (a long-lived worker serves many runs)
 _MOVED_LOCK = threading.Lock()
 
 
@@ -199,5 +200,7 @@ def _moved_keys(folder: SetFolder, shards: list[str], generation: int) -> pl.Dat
             if len(ids):
                 frames.append(_keys(ids, hashes).with_columns(shard=pl.lit(index, pl.Int32)))
         known = pl.concat(frames) if frames else None
+        if len(_MOVED) >= _MOVED_SETS:
+            _MOVED.clear()
         _MOVED[(folder.out, folder.name)] = (key, known)
         return known
