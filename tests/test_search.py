@@ -70,7 +70,8 @@ def test_query_takes_options_between_out_and_its_words(indexed, capsys):
     with pytest.raises(SystemExit) as refused:  # an unknown option is still refused
         main(["query", str(indexed), "--set", "mean", "--bogus", "word"])
     assert refused.value.code == 2
-    assert "unrecognized arguments: --bogus word" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("embedpipe query: error: unrecognized arguments: "
+                                       "--bogus word (see embedpipe query --help)\n")
 
 
 @pytest.mark.parametrize("queries, reason", [

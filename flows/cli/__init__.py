@@ -45,9 +45,16 @@ class _Parser(argparse.ArgumentParser):
         cut = extra.index("--") if "--" in extra else len(extra)
         if extra and trailing and not any(word.startswith("-") for word in extra[:cut]):
             getattr(parsed, trailing).extend(extra[:cut] + extra[cut + 1:])
-        elif extra:
-            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        elif extra:  # named by the command they were given to: its --help lists its options
+            command = self.commands.get(getattr(parsed, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
+
+    @property
+    def commands(self) -> dict[str, argparse.ArgumentParser]:
+        """The sub-commands' parsers by name (none before ``build_parser`` adds them)."""
+        found = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        return dict(found[0].choices) if found else {}
 
 
 def build_parser() -> argparse.ArgumentParser:
