@@ -265,14 +265,19 @@ def check_input(job: EmbedJob) -> None:
     do imports none): the corpus exists, is Parquet and has the id and text columns; a model
     the job names is a model folder here, or in the local Hugging Face cache (not checked for
     a Dask cluster, whose machines hold their own). Run before a flow starts, so bad input
-    fails in seconds. (The poolers and dtype, whose checks import torch, are checked at the
-    model's load, or by ``check_runs`` for a schedule.)"""
+    fails in seconds. The poolers it names and the dtype, whose checks import torch, are
+    checked here where the run will load the model anyway (a set is new, or was made by
+    another job), before the run takes OUT's writer lease; else at the model's load, or by
+    ``check_runs`` for a schedule."""
     from pipeline.corpus import describe
     from pipeline.models.folder import resolve_model_dir
+    from pipeline.run import needs_model
 
     describe(job.corpus, job.id_column, job.text_column, job.out)
     if job.encoder.model is not None and job.runner != "dask":
         resolve_model_dir(job.encoder.model)
+    if job.poolers and needs_model(job):
+        check_poolers_and_dtype(job)
 
 
 def check_poolers_and_dtype(job: EmbedJob) -> None:

@@ -27,7 +27,7 @@ from pipeline.sets import SetFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-FAIL_FAST_S = 5.0  # generous: the input check runs before Prefect or torch is imported
+FAIL_FAST_S = 5.0  # generous: the input check runs before Prefect (torch: where a model loads)
 
 
 def _cli(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
@@ -62,6 +62,10 @@ def test_bad_input_fails_before_orchestration(tmp_path):
                                    "body", "--model", str(tmp_path / "no-model")],
         "text column 'id' is int64, not text": ["embed", str(tmp_path / "c.parquet"), out,
                                                 "--text-column", "id"],
+        # before the run takes OUT's lease (it left an OUT holding only _LEASE.json)
+        "unknown pooler 'nosuch' for set 'nosuch'": ["embed", str(tmp_path / "c.parquet"), out,
+                                                     "--text-column", "body", "--pooler",
+                                                     "nosuch"],
         "for runner 'dask', not 'threads'": ["embed", str(tmp_path / "c.parquet"), out,
                                              "--text-column", "body", "--dask-address",
                                              "tcp://127.0.0.1:1"],
