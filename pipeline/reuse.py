@@ -35,7 +35,7 @@ class StoredVectors:
         self._blocks: list[np.ndarray] = []
         self._starts: list[int] = []
         self._frames: list[pl.DataFrame] = []
-        self.keys: pl.DataFrame | None = None
+        self._keys: pl.DataFrame | None = None  # the frames as one, made when asked
         self.size = 0
         for shard in previous:
             ids, hashes, _ = self.folder.read_hashes(shard)
@@ -63,9 +63,11 @@ class StoredVectors:
     def find(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
         """Stored row of each (id, hash) among the vectors read so far; -1 where none."""
         found = np.full(len(ids), -1, np.int64)
-        if self.keys is None or not len(ids):
+        if not self._frames or not len(ids):
             return found
-        hits = _keys(ids, hashes).with_row_index("pos").join(self.keys, on=["id", "hash"])
+        if self._keys is None:
+            self._keys = pl.concat(self._frames)
+        hits = _keys(ids, hashes).with_row_index("pos").join(self._keys, on=["id", "hash"])
         found[hits["pos"].to_numpy()] = hits["at"].to_numpy()
         return found
 
@@ -90,7 +92,7 @@ class StoredVectors:
             raise StorageError(f"{source or self.folder}: vectors of {vectors.shape[1]} "
                                f"dimensions in a set of {self.width}")
         self._frames.append(keys.with_columns(at=np.arange(self.size, self.size + len(keys))))
-        self.keys = pl.concat(self._frames)
+        self._keys = None
         self._starts.append(self.size)
         self._blocks.append(vectors)
         self.size += len(keys)

@@ -191,7 +191,8 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
     generation = {name: meta.generation + 1 for name, meta in metas.items()}
     markers = {name: SetFolder(job.out, name).read_markers() for name in metas}
     quarantined = quarantined_shards(job.out) if job.quarantine else None
-    signatures = {s.id: _signature(s, duplicates) for s in shards}
+    drops = {s.id: _drops(duplicates, s) for s in shards}
+    signatures = {s.id: _signature(s, drops[s.id]) for s in shards}
     moved = {name: _moved_from(shards, signatures, found) for name, found in markers.items()}
     requests = []
     for shard in shards:
@@ -211,7 +212,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
                     id_type=id_type,
                     generation=generation,
                     sets=work,
-                    drop_rows=_drops(duplicates, shard),
+                    drop_rows=drops[shard.id],
                     lease=lease,
                 )
             )
@@ -313,9 +314,8 @@ def _set_work(shard: Shard, markers: dict[str, ShardMarker], meta: SetMeta, move
                    prior=markers.get(shard.id), fingerprint=meta.fingerprint)
 
 
-def _signature(shard: Shard, duplicates: Duplicates) -> str:
+def _signature(shard: Shard, drop: list[int]) -> str:
     """The shard's signature, with the duplicate rows it drops."""
-    drop = _drops(duplicates, shard)
     return stable_hash([shard.signature, drop]) if drop else shard.signature
 
 

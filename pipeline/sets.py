@@ -41,6 +41,7 @@ from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.models.hashing import int8_hint
 from pipeline.models.similarity import Similarity
 from pipeline.names import file_name, set_name
+from pipeline.vectors import vector_column, vectors_of
 
 META_FILE = "_SET.json"
 PART_PREFIX = "part-"
@@ -134,6 +135,15 @@ class ShardMarker(BaseModel):
     rows: int
     skipped: dict[str, int] = {}
     generation: int  # the generation that last wrote the part
+
+
+def _marker(raw: bytes) -> ShardMarker | None:
+    """A done marker's file as a marker; None where it is not one (damaged JSON, missing
+    fields): its shard is redone."""
+    try:
+        return ShardMarker.model_validate_json(raw)
+    except ValueError:
+        return None
 
 
 def _leftovers_schema(schema: pa.Schema) -> bool:
@@ -316,16 +326,14 @@ class SetFolder:
 
     def write_part(self, shard: str, ids: pa.Array, vectors: np.ndarray) -> str:
         """Write one part atomically; returns its file name."""
-        flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).ravel(), pa.float32())
-        embedding = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
-        storage.write_parquet(self.part_url(shard), pa.table({"id": ids, "embedding": embedding}))
+        storage.write_parquet(self.part_url(shard),
+                              pa.table({"id": ids, "embedding": vector_column(vectors)}))
         return part_name(shard)
 
     def read_part(self, shard: str) -> tuple[pa.Array, np.ndarray]:
-        table = storage.read_parquet(self.part_url(shard))
-        column = table.column("embedding").combine_chunks()
-        vectors = column.values.to_numpy(zero_copy_only=False).reshape(-1, column.type.list_size)
-        return table.column("id").combine_chunks(), vectors
+        url = self.part_url(shard)
+        table = storage.read_parquet(url)
+        return table.column("id").combine_chunks(), vectors_of(table.column("embedding"), url)
 
     def has_part(self, shard: str) -> bool:
         return storage.exists(self.part_url(shard))
@@ -366,15 +374,11 @@ class SetFolder:
         """A shard's done marker; None if it has none or it is not one (damaged JSON)."""
         url = self._marker_url(shard)
         try:
-            raw = storage.read_bytes(url) if storage.exists(url) else None
+            marker = _marker(storage.read_bytes(url))
         except StorageError:
             if storage.exists(url):
                 raise
-            raw = None  # removed between the two calls
-        try:
-            marker = ShardMarker.model_validate_json(raw) if raw is not None else None
-        except ValueError:
-            return None
+            return None  # none, or removed as it was read
         return marker if marker is not None and marker.shard == shard else None
 
     def read_markers(self) -> dict[str, ShardMarker]:
@@ -385,10 +389,8 @@ class SetFolder:
         line."""
         markers = {}
         for url in storage.list_files(self._at("_done"), ".json"):
-            raw = storage.read_bytes(url)
-            try:
-                marker = ShardMarker.model_validate_json(raw)
-            except ValueError:
+            marker = _marker(storage.read_bytes(url))
+            if marker is None:
                 continue
             file_name(marker.shard, url)
             markers[marker.shard] = marker
@@ -425,9 +427,8 @@ class SetFolder:
         if not len(ids):
             return
         url = self._removed_url(generation, shard, ".parquet")
-        flat = pa.array(np.ascontiguousarray(vectors, np.float32).ravel(), pa.float32())
         table = pa.table({"id": ids, "hash": pa.array(hashes, pa.uint64()),
-                          "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])})
+                          "embedding": vector_column(vectors)})
         if storage.exists(url):
             table = pa.concat_tables([storage.read_parquet(url), table], promote_options="none")
         storage.write_parquet(url, table)
@@ -443,11 +444,9 @@ class SetFolder:
                 if not _leftovers_schema(table.schema):
                     raise StorageError(f"{url}: not a leftovers file (id, hash uint64, "
                                        "embedding fixed_size_list<float>)")
-                column = table.column("embedding").combine_chunks()
-                vectors = column.values.to_numpy(zero_copy_only=False).reshape(
-                    -1, column.type.list_size)
                 hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
-                found[url] = (table.column("id").combine_chunks(), hashes, vectors)
+                found[url] = (table.column("id").combine_chunks(), hashes,
+                              vectors_of(table.column("embedding"), url))
         return found
 
     def _removed_records(self, suffix: str = ".json") -> list[tuple[int, str]]:

@@ -1,8 +1,14 @@
-"""Row-wise vector arithmetic shared by the embedder, search, the server, benches and tests."""
+"""Row-wise vector arithmetic shared by the embedder, search, the server, benches and tests,
+and vectors as the fixed-size-list column a set stores them in."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 EPS = 1e-12  # a zero row stays zero
 
@@ -15,3 +21,29 @@ def unit_rows(vectors: np.ndarray) -> np.ndarray:
 def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Cosine between each row of ``a`` and the same row of ``b``."""
     return (unit_rows(a) * unit_rows(b)).sum(axis=1)
+
+
+def vector_column(vectors: np.ndarray) -> pa.FixedSizeListArray:
+    """A [rows, dim] matrix as a ``fixed_size_list<float32>[dim]`` column."""
+    import pyarrow as pa
+
+    flat = pa.array(np.ascontiguousarray(vectors, np.float32).ravel(), pa.float32())
+    return pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
+
+
+def vectors_of(column: pa.Array | pa.ChunkedArray, where: str, dim: int | None = None
+               ) -> np.ndarray:
+    """A float32 (rows, dim) matrix from a fixed_size_list column (``dim``: its list size
+    unless given); null rows are refused naming ``where``."""
+    if hasattr(column, "combine_chunks"):
+        column = column.combine_chunks()
+    if column.null_count:
+        raise _null_rows(where, column.null_count)
+    flat = column.flatten().to_numpy(zero_copy_only=False)
+    return np.ascontiguousarray(flat.reshape(-1, dim or column.type.list_size), np.float32)
+
+
+def _null_rows(where: str, count: int) -> Exception:
+    from pipeline.errors import StorageError
+
+    return StorageError(f"{where} has {count} null embeddings")

@@ -16,7 +16,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.sets import SetFolder, SetMeta
-from pipeline.vectors import unit_rows
+from pipeline.vectors import unit_rows, vectors_of
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class SetVectors:
         return pa.concat_arrays(ids), np.concatenate(vectors)
 
     def _vectors(self, column: pa.Array | pa.ChunkedArray, where: str) -> np.ndarray:
-        vectors = vectors_of(column, self.dim, where)
+        vectors = vectors_of(column, where, self.dim)
         return unit_rows(vectors) if self.unit else vectors
 
 
@@ -99,16 +99,6 @@ def open_part(url: str, dim: int) -> Part:
     meta = pf.metadata
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
     return Part(url=url, name=url.rsplit("/", 1)[-1], rows=meta.num_rows, groups=groups)
-
-
-def vectors_of(column: pa.Array | pa.ChunkedArray, dim: int, where: str) -> np.ndarray:
-    """A float32 (rows, dim) matrix from a fixed_size_list column."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    if column.null_count:
-        raise StorageError(f"{where} has {column.null_count} null embeddings")
-    flat = column.flatten().to_numpy(zero_copy_only=False)
-    return np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32)
 
 
 def read_ids(url: str) -> pa.Array:
