@@ -429,6 +429,11 @@ def _reason(id_null: bool, duplicate: bool, text: object) -> SkipReason | None:
         return "null_id"
     if duplicate:
         return "duplicate_id"
+    return text_reason(text)
+
+
+def text_reason(text: object) -> SkipReason | None:
+    """Why a run skips a row's text, or None where it embeds it."""
     if text is None:
         return "null_text"
     if not isinstance(text, str):

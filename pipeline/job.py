@@ -30,7 +30,7 @@ from pipeline.corpus import Chunk, read_shard
 from pipeline.errors import FingerprintError
 from pipeline.models.hashing import int8_hint
 from pipeline.reuse import StoredVectors
-from pipeline.sets import SetFolder, ShardMarker, quarantine_url
+from pipeline.sets import SetFolder, ShardHashes, ShardMarker, quarantine_url
 from pipeline.shards import Shard
 from pipeline.stages import prefetch
 from pipeline.stats import ShardStats
@@ -154,7 +154,7 @@ def embed_shard(request: ShardRequest) -> ShardResult:
         stats.encoded += len(piece.unique)
         stats.duplicates += len(piece.need) - len(piece.unique)
         stats.embedded += len(piece.need)
-        collected.add(piece, encoded, previous)
+        collected.add(piece, encoded, previous, request.generation)
     # rows every set took from its stored vectors: with ``embedded`` (rows some set encoded)
     # never more than the rows read, when one set is new and another done
     stats.reused = min(collected.reused.values(), default=0)
@@ -184,7 +184,9 @@ def _write_sets(request: ShardRequest, collected: _Collected,
     ids, hashes = collected.id_array(_id_type(request)), collected.hash_array()
     outcomes = []
     for work in request.sets:
-        written, removed = _write_set(request, work, ids, hashes, collected.matrix(work.name),
+        rows = ShardHashes(ids, hashes, request.generation[work.name],
+                           collected.born_array(work.name))
+        written, removed = _write_set(request, work, rows, collected.matrix(work.name),
                                       previous[work.name], skipped)
         outcomes.append(SetOutcome(
             name=work.name, rows=len(ids), embedded=collected.embedded[work.name],
@@ -224,13 +226,19 @@ class _Collected:
         self.ids: list[pa.Array] = []
         self.hashes: list[np.ndarray] = []
         self.vectors: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        self.born: dict[str, list[np.ndarray]] = {name: [] for name in names}
         self.embedded = dict.fromkeys(names, 0)
         self.reused = dict.fromkeys(names, 0)
 
-    def add(self, piece: _Slice, encoded: _Encoded, previous: dict[str, StoredVectors]) -> None:
+    def add(self, piece: _Slice, encoded: _Encoded, previous: dict[str, StoredVectors],
+            generation: dict[str, int]) -> None:
         for name, found in piece.found.items():
             self.vectors[name].append(
                 _assemble(piece, found, encoded.of(name), previous[name]))
+            born, hit = np.full(len(found), generation[name], np.int64), found >= 0
+            if hit.any():
+                born[hit] = previous[name].born(found[hit])
+            self.born[name].append(born)
             reused = int((found >= 0).sum())
             self.embedded[name] += len(found) - reused
             self.reused[name] += reused
@@ -245,6 +253,11 @@ class _Collected:
 
     def matrix(self, name: str) -> np.ndarray | None:
         return np.concatenate(self.vectors[name]) if self.vectors[name] else None
+
+    def born_array(self, name: str) -> np.ndarray:
+        """The generation that made each row's vector of set ``name``: this run's where it
+        embedded the row, the stored vector's own where it reused one."""
+        return np.concatenate(self.born[name]) if self.born[name] else np.zeros(0, np.int64)
 
 
 class _Model:
@@ -355,7 +368,7 @@ def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: S
 # ---- set IO: writing -----------------------------------------------------------------------
 
 
-def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.ndarray,
+def _write_set(request: ShardRequest, work: SetWork, rows: ShardHashes,
                matrix: np.ndarray | None, stored: StoredVectors, skipped: dict[str, int]
                ) -> tuple[bool, int]:
     """Removals (and the vectors of the rows that left, for the run's other shards), the old
@@ -364,10 +377,10 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
     Returns (part written, rows removed from this shard).
     """
     out, shard = request.job.out, request.shard
-    generation = request.generation[work.name]
+    ids, hashes, generation = rows.ids, rows.hashes, rows.generation
     folder = SetFolder(out, work.name)
     _fence(request)
-    old_ids, old_hashes, written_in = folder.read_hashes(shard.id)
+    old_ids, old_hashes, written_in, _ = folder.read_hashes(shard.id)
     marker = ShardMarker(
         shard=shard.id,
         file=shard.file,
@@ -404,7 +417,7 @@ def _write_set(request: ShardRequest, work: SetWork, ids: pa.Array, hashes: np.n
     faults.hit("write_part", f"{shard.id}/{work.name}")
     if len(ids):
         folder.write_part(shard.id, ids, matrix)
-        folder.write_hashes(shard.id, ids, hashes, generation)
+        folder.write_hashes(shard.id, ids, hashes, generation, rows.born)
     else:
         folder.remove_part(shard.id)
     faults.hit("write_marker", f"{shard.id}/{work.name}")
@@ -420,8 +433,10 @@ def _keep_leftovers(folder: SetFolder, generation: int, shard: str, ids: pa.Arra
     rows = stored.find(ids, hashes)
     kept = np.flatnonzero(rows >= 0)
     if len(kept):
-        folder.write_leftovers(generation, shard, ids.take(pa.array(kept)), hashes[kept],
-                               stored.take(rows[kept]))
+        at = rows[kept]
+        folder.write_leftovers(generation, shard, ShardHashes(
+            ids.take(pa.array(kept)), hashes[kept], generation, stored.born(at)),
+            stored.take(at))
 
 
 def _fence(request: ShardRequest) -> None:

@@ -33,16 +33,17 @@ class StoredVectors:
                  generation: int = 0, shard_rows: int = 0) -> None:
         self.folder = SetFolder(out, name)
         self._blocks: list[np.ndarray] = []
+        self._born: list[np.ndarray] = []  # each stored vector's generation (``ShardHashes``)
         self._starts: list[int] = []
         self._frames: list[pl.DataFrame] = []
         self._keys: pl.DataFrame | None = None  # the frames as one, made when asked
         self.size = 0
         for shard in previous:
-            ids, hashes, _ = self.folder.read_hashes(shard)
-            if len(ids) and self.folder.has_part(shard):
+            stored = self.folder.read_hashes(shard)
+            if len(stored.ids) and self.folder.has_part(shard):
                 part_ids, part = self.folder.read_part(shard)
-                if part_ids.equals(ids):  # else part and hashes disagree: trust neither
-                    self._add(_keys(ids, hashes), part)
+                if part_ids.equals(stored.ids):  # else part and hashes disagree: trust neither
+                    self._add(_keys(stored.ids, stored.hashes), part, stored.born)
         self._moved = list(moved)  # the run's whole list: one cache entry for every shard
         self._spent = {i for i, s in enumerate(self._moved) if s in set(previous)}
         self._generation = generation
@@ -73,21 +74,30 @@ class StoredVectors:
 
     def take(self, rows: np.ndarray) -> np.ndarray:
         """The stored vectors of ``rows`` (all found by ``lookup``)."""
-        if len(self._blocks) == 1:
-            return self._blocks[0][rows]
+        return self._gather(self._blocks, rows)
+
+    def born(self, rows: np.ndarray) -> np.ndarray:
+        """The generation that made each of the stored vectors of ``rows``."""
+        return self._gather(self._born, rows)
+
+    def _gather(self, blocks: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
+        if len(blocks) == 1:
+            return blocks[0][rows]
         block = np.searchsorted(self._starts, rows, side="right") - 1
-        out = np.empty((len(rows), self.width), np.float32)
+        out = np.empty((len(rows), *blocks[0].shape[1:]), blocks[0].dtype)
         for b in np.unique(block):
             at = block == b
-            out[at] = self._blocks[b][rows[at] - self._starts[b]]
+            out[at] = blocks[b][rows[at] - self._starts[b]]
         return out
 
     @property
     def width(self) -> int:
         return self._blocks[0].shape[1]
 
-    def _add(self, keys: pl.DataFrame, vectors: np.ndarray, source: str = "") -> None:
-        """Append ``vectors`` with their (id, hash) ``keys``: rows ``size`` on."""
+    def _add(self, keys: pl.DataFrame, vectors: np.ndarray, born: np.ndarray,
+             source: str = "") -> None:
+        """Append ``vectors`` with their (id, hash) ``keys`` and generations: rows ``size``
+        on."""
         if self._blocks and vectors.shape[1] != self.width:
             raise StorageError(f"{source or self.folder}: vectors of {vectors.shape[1]} "
                                f"dimensions in a set of {self.width}")
@@ -95,6 +105,7 @@ class StoredVectors:
         self._keys = None
         self._starts.append(self.size)
         self._blocks.append(vectors)
+        self._born.append(born)
         self.size += len(keys)
 
     def _take_moved(self, ids: pa.Array, hashes: np.ndarray, missing: np.ndarray) -> bool:
@@ -110,19 +121,19 @@ class StoredVectors:
     def _take_leftovers(self, wanted: pl.DataFrame) -> bool:
         """Rows of ``wanted`` among the leftovers of this generation not read yet."""
         taken = False
-        for url, (ids, hashes, vectors) in self.folder.read_leftovers(
+        for url, (stored, vectors) in self.folder.read_leftovers(
                 self._generation, skip=self._spent_files).items():
-            keys = _keys(ids, hashes)
+            keys, born = _keys(stored.ids, stored.hashes), stored.born
             if keys.schema != wanted.schema:
-                raise StorageError(f"{url}: ids of type {ids.type}, not the set's")
+                raise StorageError(f"{url}: ids of type {stored.ids.type}, not the set's")
             if self._budget > 0:  # taken in whole: never read again
                 self._spent_files.add(url)
                 self._budget -= len(keys)
             else:
                 rows = keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"]
-                keys, vectors = keys[rows], vectors[rows.to_numpy()]
+                keys, vectors, born = keys[rows], vectors[rows.to_numpy()], born[rows.to_numpy()]
             if len(keys):
-                self._add(keys, vectors, url)
+                self._add(keys, vectors, born, url)
                 taken = True
         return taken
 
@@ -142,22 +153,24 @@ class StoredVectors:
                 self._spent.add(index)
             if found is None:
                 continue
-            keys, vectors = found
+            keys, vectors, born = found
             self._budget -= len(keys) if whole else 0
             if len(keys):
-                self._add(keys, vectors)
+                self._add(keys, vectors, born)
                 taken = True
         return taken
 
     def _read_moved(self, shard: str, wanted: pl.DataFrame | None
-                    ) -> tuple[pl.DataFrame, np.ndarray] | None:
-        """A moved-from shard's keys and vectors (only those in ``wanted`` if given), or None
+                    ) -> tuple[pl.DataFrame, np.ndarray, np.ndarray] | None:
+        """A moved-from shard's keys, vectors and their generations (only those in ``wanted``
+        if given), or None
         if its marker changed or went while they were read, or part and hashes disagree."""
         before = self.folder.read_marker(shard)
         if before is None:
             return None
         try:
-            ids, hashes, _ = self.folder.read_hashes(shard)
+            stored = self.folder.read_hashes(shard)
+            ids = stored.ids
             part_ids, vectors = self.folder.read_part(shard) if len(ids) else (ids, None)
         except StorageError:
             if self.folder.read_marker(shard) == before:
@@ -165,11 +178,11 @@ class StoredVectors:
             return None  # another worker rewrote it meanwhile: its files came and went
         if not len(ids) or not part_ids.equals(ids) or self.folder.read_marker(shard) != before:
             return None
-        keys = _keys(ids, hashes)
+        keys = _keys(ids, stored.hashes)
         if wanted is None:
-            return keys, vectors
+            return keys, vectors, stored.born
         rows = keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"].to_numpy()
-        return keys[rows].select("id", "hash"), vectors[rows]
+        return keys[rows].select("id", "hash"), vectors[rows], stored.born[rows]
 
 
 def _keys(ids: pa.Array, hashes: np.ndarray) -> pl.DataFrame:
@@ -198,9 +211,10 @@ def _moved_keys(folder: SetFolder, shards: list[str], generation: int) -> pl.Dat
             return cached[1]
         frames = []
         for index, shard in enumerate(shards):
-            ids, hashes, _ = folder.read_hashes(shard)
-            if len(ids):
-                frames.append(_keys(ids, hashes).with_columns(shard=pl.lit(index, pl.Int32)))
+            stored = folder.read_hashes(shard)
+            if len(stored.ids):
+                frames.append(_keys(stored.ids, stored.hashes)
+                              .with_columns(shard=pl.lit(index, pl.Int32)))
         known = pl.concat(frames) if frames else None
         if len(_MOVED) >= _MOVED_SETS:
             _MOVED.clear()

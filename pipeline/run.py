@@ -397,7 +397,7 @@ def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None
     else it stayed for good."""
     gone = set(markers) | folder.unmarked_shards(markers)
     for sid in sorted(sid for sid in gone if sid not in planned):
-        ids, _, _ = folder.read_hashes(sid)
+        ids = folder.read_hashes(sid).ids
         folder.record_removed(g, sid, ids.to_pylist())
         folder.remove_marker(sid)
         faults.hit("retire_part", f"{sid}/{folder.name}")
@@ -411,7 +411,7 @@ def _left_the_set(folder: SetFolder, removed: list, live_shards: list[str]) -> l
         return []
     gone = dict.fromkeys(removed)
     for sid in live_shards:
-        ids, _, _ = folder.read_hashes(sid)
+        ids = folder.read_hashes(sid).ids
         for i in ids.to_pylist():
             gone.pop(i, None)
         if not gone:

@@ -5,12 +5,14 @@ Layout (readers take the parts whose shard has a marker, ``_SET.json`` and ``_ch
     part-<shard>.parquet        id, embedding (fixed_size_list<float32>[dim])
     _SET.json                   SetMeta
     _changes/<generation>.json  parts written and ids deleted by the run of that generation
-    _hashes/<shard>.parquet     id, hash (uint64 content hash of the text) per row of the part,
-                                and the generation that wrote it (schema metadata)
+    _hashes/<shard>.parquet     id, hash (uint64 content hash of the text), born (the
+                                generation that made the row's vector: a reused vector keeps
+                                its own) per row of the part, and the generation that wrote it
+                                (schema metadata)
     _done/<shard>.json          ShardMarker, written after the part and its hashes
     _removed/<gen>-<shard>.json ids a run of that generation removed, written BEFORE the part
                                 that drops them, so a crash cannot lose a deletion
-    _removed/<gen>-<shard>.parquet  id, hash, embedding of the stored rows that left the shard
+    _removed/<gen>-<shard>.parquet  id, hash, embedding, born of the stored rows that left the shard
                                 in that generation: another shard of the run may receive them
                                 (rows reordered or moved between files); gone at the run's end
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import polars as pl
@@ -146,9 +149,34 @@ def _marker(raw: bytes) -> ShardMarker | None:
         return None
 
 
+class ShardHashes(NamedTuple):
+    """A shard's ``_hashes`` file: its part's ids, their texts' content hashes, the generation
+    that wrote the part (-1: no file), and the generation each row's vector was made in."""
+
+    ids: pa.Array
+    hashes: np.ndarray
+    generation: int
+    born: np.ndarray
+
+
+def _born(table: pa.Table, generation: int) -> np.ndarray:
+    """The ``born`` column of a hashes or leftovers table; where there is none (a file from
+    before it was kept) or it is not a generation up to ``generation``: ``generation`` for
+    every row, which makes the index re-add them (never keep a vector it may not hold)."""
+    rows = table.num_rows
+    if "born" in table.column_names and table.schema.field("born").type == pa.int64():
+        born = table.column("born").combine_chunks().to_numpy(zero_copy_only=False)
+        if len(born) == rows and (born >= 0).all() and (born <= generation).all():
+            return born
+    return np.full(rows, generation, np.int64)
+
+
 def _leftovers_schema(schema: pa.Schema) -> bool:
-    """Whether ``schema`` is that of ``SetFolder.write_leftovers``'s files."""
-    if schema.names != ["id", "hash", "embedding"] or schema.field("hash").type != pa.uint64():
+    """Whether ``schema`` is that of ``SetFolder.write_leftovers``'s files (``born`` may be
+    missing: a file of a run from before it was kept, resumed)."""
+    if schema.names[:3] != ["id", "hash", "embedding"] or schema.field("hash").type != pa.uint64():
+        return False
+    if schema.names[3:] not in ([], ["born"]):
         return False
     vectors = schema.field("embedding").type
     return pa.types.is_fixed_size_list(vectors) and vectors.value_type == pa.float32()
@@ -166,6 +194,14 @@ class SetChanges(BaseModel):
 
 def part_name(shard: str) -> str:
     return f"{PART_PREFIX}{file_name(shard, 'a shard id')}.parquet"
+
+
+def shard_of(part: str) -> str | None:
+    """The shard id of a part's file name (``part_name``'s inverse); None where ``part`` is
+    not one."""
+    if not (part.startswith(PART_PREFIX) and part.endswith(".parquet")):
+        return None
+    return file_name(part[len(PART_PREFIX):-len(".parquet")], "a shard id")
 
 
 def quarantine_url(out: str, shard: str) -> str:
@@ -298,8 +334,7 @@ class SetFolder:
     def _written_shards(self) -> set[str]:
         """Shard ids of the ``part-*.parquet`` files in the folder (plain names only)."""
         names = (url.rsplit("/", 1)[-1] for url in storage.list_files(self.url, ".parquet"))
-        return {file_name(n[len(PART_PREFIX):-len(".parquet")], self.url)
-                for n in names if n.startswith(PART_PREFIX)}
+        return {shard for shard in map(shard_of, names) if shard is not None}
 
     def unmarked_shards(self, markers: Iterable[str] | None = None) -> set[str]:
         """Shards with a part or hashes but no done marker: left by a run that died between
@@ -341,22 +376,29 @@ class SetFolder:
     def _hashes_url(self, shard: str) -> str:
         return self._at("_hashes", f"{file_name(shard, 'a shard id')}.parquet")
 
-    def write_hashes(self, shard: str, ids: pa.Array, hashes: np.ndarray,
-                     generation: int) -> None:
-        table = pa.table({"id": ids, "hash": pa.array(hashes, pa.uint64())})
+    def write_hashes(self, shard: str, ids: pa.Array, hashes: np.ndarray, generation: int,
+                     born: np.ndarray | None = None) -> None:
+        """The part's keys, written by ``generation``; ``born``: each vector's generation
+        (default: all made by ``generation``)."""
+        born = np.full(len(ids), generation, np.int64) if born is None else born
+        table = pa.table({"id": ids, "hash": pa.array(hashes, pa.uint64()),
+                          "born": pa.array(born, pa.int64())})
         table = table.replace_schema_metadata({"generation": str(generation)})
         storage.write_parquet(self._hashes_url(shard), table)
 
-    def read_hashes(self, shard: str) -> tuple[pa.Array, np.ndarray, int]:
-        """Ids, content hashes and writing generation of a shard's part (empty, -1 if none)."""
+    def read_hashes(self, shard: str) -> ShardHashes:
+        """A shard's part's keys (empty, generation -1, if it has no hashes file)."""
         url = self._hashes_url(shard)
         if not storage.exists(url):
-            return pa.array([]), np.zeros(0, np.uint64), -1
+            return ShardHashes(pa.array([]), np.zeros(0, np.uint64), -1, np.zeros(0, np.int64))
         table = storage.read_parquet(url)
         ids = table.column("id").combine_chunks()
-        generation = int((table.schema.metadata or {}).get(b"generation", b"-1"))
+        try:
+            generation = int((table.schema.metadata or {}).get(b"generation", b"-1"))
+        except ValueError:
+            raise StorageError(f"{url}: its generation is not a number") from None
         hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
-        return ids, hashes, generation
+        return ShardHashes(ids, hashes, generation, _born(table, generation))
 
     def remove_part(self, shard: str) -> None:
         storage.remove(self.part_url(shard))
@@ -419,35 +461,46 @@ class SetFolder:
         payload = {"generation": generation, "ids": list(dict.fromkeys(earlier + ids))}
         storage.write_json(url, payload)
 
-    def write_leftovers(self, generation: int, shard: str, ids: pa.Array, hashes: np.ndarray,
+    def write_leftovers(self, generation: int, shard: str, rows: ShardHashes,
                         vectors: np.ndarray) -> None:
-        """Keep the stored rows that left ``shard`` in ``generation`` (id, hash, vector) until
-        the run's end: a shard of the same run that received them reuses them
+        """Keep the stored rows that left ``shard`` in ``generation`` (their keys and vectors)
+        until the run's end: a shard of the same run that received them reuses them
         (``pipeline.reuse``) though their part was rewritten. Merged with earlier attempts."""
-        if not len(ids):
+        if not len(rows.ids):
             return
         url = self._removed_url(generation, shard, ".parquet")
-        table = pa.table({"id": ids, "hash": pa.array(hashes, pa.uint64()),
-                          "embedding": vector_column(vectors)})
         if storage.exists(url):
-            table = pa.concat_tables([storage.read_parquet(url), table], promote_options="none")
-        storage.write_parquet(url, table)
+            earlier, stored = self._leftovers(url, generation)
+            if earlier.ids.type != rows.ids.type or stored.shape[1] != vectors.shape[1]:
+                raise StorageError(f"{url}: {earlier.ids.type} ids and {stored.shape[1]} "
+                                   f"dimensions, not the set's {rows.ids.type} and "
+                                   f"{vectors.shape[1]}")
+            rows = ShardHashes(pa.concat_arrays([earlier.ids, rows.ids]),
+                               np.concatenate([earlier.hashes, rows.hashes]), generation,
+                               np.concatenate([earlier.born, rows.born]))
+            vectors = np.concatenate([stored, vectors])
+        storage.write_parquet(url, pa.table({
+            "id": rows.ids, "hash": pa.array(rows.hashes, pa.uint64()),
+            "embedding": vector_column(vectors), "born": pa.array(rows.born, pa.int64())}))
 
     def read_leftovers(self, generation: int, skip: Iterable[str] = ()
-                       ) -> dict[str, tuple[pa.Array, np.ndarray, np.ndarray]]:
-        """url -> (ids, hashes, vectors) of the leftovers of ``generation`` (not those at the
-        urls in ``skip``)."""
-        found = {}
-        for g, url in self._removed_records(".parquet"):
-            if g == generation and url not in skip:
-                table = storage.read_parquet(url)
-                if not _leftovers_schema(table.schema):
-                    raise StorageError(f"{url}: not a leftovers file (id, hash uint64, "
-                                       "embedding fixed_size_list<float>)")
-                hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
-                found[url] = (table.column("id").combine_chunks(), hashes,
-                              vectors_of(table.column("embedding"), url))
-        return found
+                       ) -> dict[str, tuple[ShardHashes, np.ndarray]]:
+        """url -> (keys, vectors) of the leftovers of ``generation`` (not those at the urls in
+        ``skip``)."""
+        return {url: self._leftovers(url, generation)
+                for g, url in self._removed_records(".parquet")
+                if g == generation and url not in skip}
+
+    @staticmethod
+    def _leftovers(url: str, generation: int) -> tuple[ShardHashes, np.ndarray]:
+        table = storage.read_parquet(url)
+        if not _leftovers_schema(table.schema):
+            raise StorageError(f"{url}: not a leftovers file (id, hash uint64, embedding "
+                               "fixed_size_list<float>, born int64)")
+        hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
+        keys = ShardHashes(table.column("id").combine_chunks(), hashes, generation,
+                           _born(table, generation))
+        return keys, vectors_of(table.column("embedding"), url)
 
     def _removed_records(self, suffix: str = ".json") -> list[tuple[int, str]]:
         """(generation, url) of every ``_removed`` file (the removal records, or the

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import storage
-from pipeline.corpus import blank, plain_text
+from pipeline.corpus import plain_text, text_reason
 from pipeline.errors import EmbedpipeError
 
 SNIPPET_CHARS = 200
@@ -172,12 +172,12 @@ def _embedded_text(value: object, row: int, ids: pa.Array, texts: pa.Array) -> s
     on whose text is text with a visible character (``--dedupe`` keeps the first valid row of
     an id, not one a run skipped), or None if no row of this group holds one."""
     text = texts[row].as_py()
-    if isinstance(text, str) and not blank(text):
+    if text_reason(text) is None:
         return text
     same = pc.equal(ids, pa.scalar(value, ids.type)).to_numpy(zero_copy_only=False)
     for at in np.flatnonzero(same[row + 1:]) + row + 1:
         text = texts[int(at)].as_py()
-        if isinstance(text, str) and not blank(text):
+        if text_reason(text) is None:
             return text
     return None
 

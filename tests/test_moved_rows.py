@@ -16,8 +16,9 @@ from _flowkit import job, read_set, run_library, text_for, write_corpus
 
 from pipeline import reuse
 from pipeline.errors import StorageError
+from pipeline.index import IndexRequest, IndexResult, index_set, open_index
 from pipeline.reuse import StoredVectors
-from pipeline.sets import SetFolder
+from pipeline.sets import SetFolder, ShardHashes
 
 ROWS = [(i, text_for(i)) for i in range(100)]
 
@@ -84,7 +85,7 @@ def test_a_moved_from_part_is_not_read_once_its_marker_changed(tmp_path, tiny_mo
     folder = SetFolder(str(tmp_path / "out"), "mean")
     markers = folder.read_markers()
     [shard] = [s for s in markers if s.endswith("g00002-00004")]
-    ids, hashes, _ = folder.read_hashes(shard)
+    ids, hashes, _, _ = folder.read_hashes(shard)
     stored = StoredVectors(folder.out, "mean", [], [shard], generation=2, shard_rows=20)
     assert (stored.lookup(ids, hashes) >= 0).all()
     folder.remove_marker(shard)
@@ -92,13 +93,17 @@ def test_a_moved_from_part_is_not_read_once_its_marker_changed(tmp_path, tiny_mo
     assert (fresh.lookup(ids, hashes) == -1).all()
 
 
+def _keys(ids: pa.Array) -> ShardHashes:
+    """Keys of leftovers of generation 2: a row of hash 7, its vector made in generation 1."""
+    return ShardHashes(ids, np.array([7], np.uint64), 2, np.array([1]))
+
+
 def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir):
     _first_run(tmp_path, tiny_model_dir)
     folder = SetFolder(str(tmp_path / "out"), "mean")
     shard = sorted(folder.read_markers())[0]
     stored = StoredVectors(folder.out, "mean", [shard], ["gone"], generation=2, shard_rows=20)
-    folder.write_leftovers(2, "other", pa.array([500]), np.array([7], np.uint64),
-                           np.zeros((1, 5), np.float32))
+    folder.write_leftovers(2, "other", _keys(pa.array([500])), np.zeros((1, 5), np.float32))
     with pytest.raises(StorageError, match="vectors of 5 dimensions in a set of 32"):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))
 
@@ -113,7 +118,47 @@ def test_leftovers_of_another_shape_are_one_line(tmp_path, tiny_model_dir):
     with pytest.raises(StorageError, match="not a leftovers file"):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))
     url.unlink()
-    folder.write_leftovers(2, "other", pa.array(["500"]), np.array([7], np.uint64),
-                           np.zeros((1, 32), np.float32))
+    folder.write_leftovers(2, "other", _keys(pa.array(["500"])), np.zeros((1, 32), np.float32))
     with pytest.raises(StorageError, match="ids of type string, not the set's"):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))
+
+
+def _reordered(tmp_path: Path, rows: list[tuple[int, str]]) -> None:
+    random.Random(0).shuffle(rows)
+    _write(tmp_path / "c" / "a.parquet", rows)
+
+
+def _compacted(tmp_path: Path, rows: list[tuple[int, str]]) -> None:
+    (tmp_path / "c" / "a.parquet").unlink()
+    _write(tmp_path / "c" / "x.parquet", rows[::2])
+    _write(tmp_path / "c" / "y.parquet", rows[1::2])
+
+
+@pytest.mark.parametrize("edit", [_reordered, _compacted], ids=["reordered", "compacted"])
+@pytest.mark.parametrize("kind", ["hnsw", "flat"])
+def test_an_index_catch_up_keeps_the_rows_whose_vectors_moved(tmp_path, tiny_model_dir,
+                                                               kind, edit):
+    """The catch-up re-adds only vectors made after its index: rows reordered (the shards'
+    own leftovers) or moved to new files keep their labels. It re-added every row of a
+    rewritten part, and an HNSW index, masking them all, was rebuilt in whole."""
+    spec, _ = _first_run(tmp_path, tiny_model_dir)
+    out = tmp_path / "out"
+    before = _index(out, kind).meta
+    edit(tmp_path, [(i, "a changed text" if i == 50 else t) for i, t in ROWS])
+    assert (run_library(spec).embedded, SetFolder(str(out), "mean").meta().generation) == (1, 2)
+    result = _index(out, "auto")
+    assert (result.action, result.meta.kind, result.meta.rows) == ("caught up", kind, 100)
+    assert result.meta.masked == (kind == "hnsw")  # row 50's old vector: HNSW cannot delete
+    labels = {}
+    for meta in (before, result.meta):
+        idmap = open_index(str(out), meta).idmap
+        ids, kept_at = idmap.ids.to_pylist(), idmap.labels.tolist()
+        labels[meta.generation] = dict(zip(ids, kept_at, strict=True))
+    assert {i for i in labels[1] if labels[1][i] != labels[2][i]} == {50}
+    vectors = read_set(out, "mean")
+    hits = open_index(str(out), result.meta).search(np.stack([vectors[50], vectors[3]]), 1)
+    assert [row[0][0] for row in hits] == [50, 3]
+
+
+def _index(out: Path, kind: str) -> IndexResult:
+    return index_set(IndexRequest(out=str(out), set_name="mean", kind=kind), say=lambda _: None)

@@ -101,12 +101,31 @@ def test_part_round_trip_keeps_id_type_and_fixed_size_vectors(tmp_path):
     assert not folder.has_part("shard-a") and folder.part_urls() == []
 
 
-def test_hashes_carry_their_generation(tmp_path):
+def test_hashes_carry_their_generation_and_their_vectors(tmp_path):
     folder = SetFolder(str(tmp_path), "s")
-    assert folder.read_hashes("a")[2] == -1
+    assert folder.read_hashes("a").generation == -1
     folder.write_hashes("a", pa.array([1, 2]), np.array([5, 6], np.uint64), generation=4)
-    ids, hashes, generation = folder.read_hashes("a")
+    ids, hashes, generation, born = folder.read_hashes("a")
     assert ids.to_pylist() == [1, 2] and hashes.tolist() == [5, 6] and generation == 4
+    assert born.tolist() == [4, 4]  # every vector made by the writing generation
+    folder.write_hashes("a", pa.array([1, 2]), np.array([5, 6], np.uint64), 4, np.array([2, 4]))
+    assert folder.read_hashes("a").born.tolist() == [2, 4]  # one reused from generation 2
+
+
+def test_a_vectors_generation_the_hashes_cannot_hold_is_the_writers(tmp_path):
+    """A hashes file from before ``born`` was kept, or one whose ``born`` names a generation
+    after its writer's: every row counts as made by the writer (the index re-adds them)."""
+    folder = SetFolder(str(tmp_path), "s")
+    url = tmp_path / "sets" / "s" / "_hashes" / "a.parquet"
+    url.parent.mkdir(parents=True)
+    keys = {"id": [1, 2], "hash": pa.array([5, 6], pa.uint64())}
+    for extra in ({}, {"born": pa.array([1, 9], pa.int64())}, {"born": [-1, 1]},
+                  {"born": pa.array(["1", "2"])}):
+        pq.write_table(pa.table(keys | extra).replace_schema_metadata({"generation": "3"}), url)
+        assert folder.read_hashes("a").born.tolist() == [3, 3], extra
+    pq.write_table(pa.table(keys).replace_schema_metadata({"generation": "x"}), url)
+    with pytest.raises(StorageError, match="a.parquet: its generation is not a number"):
+        folder.read_hashes("a")
 
 
 def test_removal_records_merge_across_attempts_and_clear(tmp_path):

@@ -3,8 +3,9 @@
 A full build reads the set twice, streaming: once for a sample (training rows for kinds
 that train, held-back query rows for tuning), once to add every row in batches while the
 exact top-10 of the query rows is accumulated on the same batches. Catch-up applies the
-set's ``_changes`` files since the index's generation (drop deleted ids and every id of a
-listed part, add the listed parts' rows), then re-measures recall and re-tunes.
+set's ``_changes`` files since the index's generation (drop deleted ids, and the ids of the
+listed parts' rows whose vectors are newer than the index; add those rows), then re-measures
+recall and re-tunes.
 
 New rows get labels from the index's high-water mark (``IndexMeta.next_label``), never from
 the id map alone: a row an HNSW index cannot remove stays in it, masked, under its label.
@@ -45,7 +46,7 @@ from pipeline.index.plan import (
 from pipeline.index.setdata import Part, SetVectors
 from pipeline.index.tune import tune
 from pipeline.lease import check_held
-from pipeline.sets import SetChanges, SetFolder, SetMeta, list_sets
+from pipeline.sets import SetChanges, SetFolder, SetMeta, list_sets, shard_of
 
 log = logging.getLogger("embedpipe.index")
 MAX_MASKED_SHARE = 0.2  # above this share of dead rows in an index that cannot delete: rebuild
@@ -366,13 +367,14 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     names = sorted({name for change in changes for name in change.parts})
     deleted = [i for change in changes for i in change.deleted_ids]
     touched = SetVectors.of(folder, info, names)
-    drop = [pa.array(deleted, idmap.ids.type)] if deleted else []
-    drop += [setdata.read_ids(p.url) for p in touched.parts]
-    dropped = idmap.drop_ids(pa.concat_arrays([d.cast(idmap.ids.type) for d in drop])
-                             if drop else pa.array([], idmap.ids.type))
+    gone = idmap.drop_ids(pa.array(deleted, idmap.ids.type))
+    fresh = _fresh_ids(folder, touched, idmap, current.generation)
+    dropped = np.concatenate([gone, idmap.drop_ids(fresh)])
     removed = remove(index, dropped)
     added = 0
     for ids, vectors in touched.iter_batches(req.batch_rows):
+        new = pc.is_in(ids.cast(fresh.type), value_set=fresh)
+        ids, vectors = ids.filter(new), vectors[new.to_numpy(zero_copy_only=False)]
         labels = np.arange(first + added, first + added + len(ids), dtype=np.int64)
         _add(index, vectors, labels, current.factory)
         idmap.append(labels, ids)
@@ -403,6 +405,28 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     check_held(req.out)  # a writer that lost OUT's lease publishes nothing into it
     meta = store.publish(req.out, index, idmap, meta)
     return meta, f"+{added:,} -{len(dropped):,} rows"
+
+
+def _fresh_ids(folder: SetFolder, touched: SetVectors, idmap: IdMap, generation: int
+               ) -> pa.Array:
+    """Ids of the rewritten parts whose vectors the index (of ``generation``) may not hold.
+
+    A row whose vector was made in ``generation`` or before (its ``born``, in the part's
+    hashes) was reused since, unchanged, from the set the index was made of: where the index
+    holds its id, it holds that vector, and the row keeps its place (rows reordered or moved
+    between files cost nothing). Every other row is new: made after the index, or in a part
+    whose hashes do not describe it.
+    """
+    fresh = []
+    for part in touched.parts:
+        ids = setdata.read_ids(part.url).cast(idmap.ids.type)
+        shard = shard_of(part.name)
+        keys = folder.read_hashes(shard) if shard is not None else None
+        held = (keys.born <= generation if keys is not None and keys.ids.equals(ids)
+                else np.zeros(len(ids), bool))
+        held &= pc.is_in(ids, value_set=idmap.ids).to_numpy(zero_copy_only=False)
+        fresh.append(ids.filter(~held))
+    return pa.concat_arrays(fresh) if fresh else pa.array([], idmap.ids.type)
 
 
 def _first_free_label(current: store.IndexMeta, index: faiss.Index, idmap: IdMap) -> int | None:
