@@ -6,7 +6,9 @@ Writes ``--rows`` rows of the corpus as ``--files`` files, embeds them (the defa
 ``--incremental`` runs through the Python API, one process), then changes the corpus the ways
 a nightly export does and reruns incrementally after each: every file rewritten in another
 row order; the files compacted into two new files; nothing changed. Prints one JSON line per
-run with the rows embedded and reused and the wall time, and the CPU flags.
+run with the rows embedded and reused and the wall time, and the CPU flags. With ``--index
+KIND`` each run is followed by ``embedpipe.index`` (a KIND index built after the first run, a
+catch-up after the others): its action, the rows it holds masked, and its time.
 """
 
 from __future__ import annotations
@@ -44,13 +46,20 @@ def shuffled(table: pa.Table, seed: int) -> pa.Table:
     return table.take(pa.array(order))
 
 
-def run(step: str, corpus: Path, out: Path, rows_per_shard: int) -> dict:
+def run(step: str, corpus: Path, out: Path, rows_per_shard: int, index: str | None) -> dict:
     started = time.perf_counter()
     summary = embedpipe.embed(str(corpus), str(out), incremental=True,
                               rows_per_shard=rows_per_shard)
     seconds = time.perf_counter() - started
     result = {"step": step, "embedded": summary["embedded"], "reused": summary["reused"],
               "rows": summary["rows"], "seconds": round(seconds, 2)}
+    if index:
+        started = time.perf_counter()
+        [built] = embedpipe.index(str(out), kind=index)
+        result["index"] = {"action": built.action, "reason": built.reason,
+                           "kind": built.meta.kind, "rows": built.meta.rows,
+                           "masked": built.meta.masked,
+                           "seconds": round(time.perf_counter() - started, 2)}
     print(json.dumps(result), flush=True)
     return result
 
@@ -61,7 +70,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--rows-per-shard", type=int, default=2_000)
+    parser.add_argument("--index", metavar="KIND", help="index after each run (flat, hnsw, ...)")
     args = parser.parse_args()
+    per_shard, index = args.rows_per_shard, args.index
     table = pq.read_table(args.corpus).slice(0, args.rows).select(["id", "text"])
     work = Path(tempfile.mkdtemp(prefix="moved-rows-"))
     corpus, out = work / "corpus", work / "out"
@@ -69,13 +80,12 @@ def main() -> int:
                       "rows_per_shard": args.rows_per_shard}), flush=True)
     try:
         write_files(corpus, table, args.files, "part-")
-        first = run("first run", corpus, out, args.rows_per_shard)
+        first = run("first run", corpus, out, per_shard, index)
         write_files(corpus, shuffled(table, 0), args.files, "part-")
-        steps = [run("every file rewritten in another row order", corpus, out,
-                     args.rows_per_shard)]
+        steps = [run("every file rewritten in another row order", corpus, out, per_shard, index)]
         write_files(corpus, shuffled(table, 1), 2, "compacted-")
-        steps.append(run("compacted into 2 new files", corpus, out, args.rows_per_shard))
-        steps.append(run("nothing changed", corpus, out, args.rows_per_shard))
+        steps.append(run("compacted into 2 new files", corpus, out, per_shard, index))
+        steps.append(run("nothing changed", corpus, out, per_shard, index))
         for s in steps:
             print(json.dumps({"step": s["step"], "time_vs_first_run":
                               round(s["seconds"] / first["seconds"], 3)}))

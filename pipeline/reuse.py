@@ -19,7 +19,7 @@ import polars as pl
 import pyarrow as pa
 
 from pipeline.errors import StorageError
-from pipeline.sets import SetFolder
+from pipeline.sets import SetFolder, ShardHashes
 
 # whole parts a shard takes in, in rows per row of the shard: beyond this, only the rows a
 # slice asks for are taken (a corpus shuffled across files would otherwise hold all of it)
@@ -49,6 +49,7 @@ class StoredVectors:
         self._generation = generation
         self._budget = ABSORB_PER_ROW * shard_rows
         self._spent_files: set[str] = set()  # leftover files taken in whole
+        self._leftover_keys: dict[str, pl.DataFrame] = {}  # the others' keys, read once
         self._lock = threading.Lock()
 
     def lookup(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
@@ -119,23 +120,46 @@ class StoredVectors:
         return self._take_leftovers(wanted) or taken
 
     def _take_leftovers(self, wanted: pl.DataFrame) -> bool:
-        """Rows of ``wanted`` among the leftovers of this generation not read yet."""
+        """Rows of ``wanted`` among the leftovers of this generation not taken in whole."""
         taken = False
-        for url, (stored, vectors) in self.folder.read_leftovers(
-                self._generation, skip=self._spent_files).items():
-            keys, born = _keys(stored.ids, stored.hashes), stored.born
-            if keys.schema != wanted.schema:
-                raise StorageError(f"{url}: ids of type {stored.ids.type}, not the set's")
-            if self._budget > 0:  # taken in whole: never read again
-                self._spent_files.add(url)
-                self._budget -= len(keys)
-            else:
-                rows = keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"]
-                keys, vectors, born = keys[rows], vectors[rows.to_numpy()], born[rows.to_numpy()]
-            if len(keys):
-                self._add(keys, vectors, born, url)
+        for url in self.folder.leftovers_urls(self._generation):
+            if url in self._spent_files:
+                continue
+            found = self._read_leftovers(url, wanted)
+            if found is not None and len(found[0]):
+                self._add(*found, url)
                 taken = True
         return taken
+
+    def _read_leftovers(self, url: str, wanted: pl.DataFrame
+                        ) -> tuple[pl.DataFrame, np.ndarray, np.ndarray] | None:
+        """A leftovers file's keys, vectors and their generations: whole while the budget
+        lasts, then only the rows of ``wanted``, read where its keys (read once) hold any."""
+        whole = self._budget > 0
+        if not whole:
+            keys = self._leftover_keys.get(url)
+            if keys is None:
+                keys = self._checked(url, self.folder.read_leftovers(
+                    url, self._generation, vectors=False)[0], wanted)
+            self._leftover_keys[url] = keys
+            if keys.join(wanted, on=["id", "hash"]).is_empty():
+                return None
+        stored, vectors = self.folder.read_leftovers(url, self._generation)
+        keys, born = self._checked(url, stored, wanted), stored.born
+        if whole:  # taken in whole: never read again
+            self._spent_files.add(url)
+            self._budget -= len(keys)
+            return keys, vectors, born
+        self._leftover_keys[url] = keys
+        rows = keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"].to_numpy()
+        return keys[rows], vectors[rows], born[rows]
+
+    @staticmethod
+    def _checked(url: str, stored: ShardHashes, wanted: pl.DataFrame) -> pl.DataFrame:
+        keys = _keys(stored.ids, stored.hashes)
+        if keys.schema != wanted.schema:
+            raise StorageError(f"{url}: ids of type {stored.ids.type}, not the set's")
+        return keys
 
     def _take_parts(self, wanted: pl.DataFrame) -> bool:
         """Rows of ``wanted`` in the parts of the run's moved-from shards."""

@@ -470,7 +470,7 @@ class SetFolder:
             return
         url = self._removed_url(generation, shard, ".parquet")
         if storage.exists(url):
-            earlier, stored = self._leftovers(url, generation)
+            earlier, stored = self.read_leftovers(url, generation)
             if earlier.ids.type != rows.ids.type or stored.shape[1] != vectors.shape[1]:
                 raise StorageError(f"{url}: {earlier.ids.type} ids and {stored.shape[1]} "
                                    f"dimensions, not the set's {rows.ids.type} and "
@@ -483,24 +483,26 @@ class SetFolder:
             "id": rows.ids, "hash": pa.array(rows.hashes, pa.uint64()),
             "embedding": vector_column(vectors), "born": pa.array(rows.born, pa.int64())}))
 
-    def read_leftovers(self, generation: int, skip: Iterable[str] = ()
-                       ) -> dict[str, tuple[ShardHashes, np.ndarray]]:
-        """url -> (keys, vectors) of the leftovers of ``generation`` (not those at the urls in
-        ``skip``)."""
-        return {url: self._leftovers(url, generation)
-                for g, url in self._removed_records(".parquet")
-                if g == generation and url not in skip}
+    def leftovers_urls(self, generation: int) -> list[str]:
+        """The leftovers files of ``generation`` (``write_leftovers``)."""
+        return [url for g, url in self._removed_records(".parquet") if g == generation]
 
     @staticmethod
-    def _leftovers(url: str, generation: int) -> tuple[ShardHashes, np.ndarray]:
-        table = storage.read_parquet(url)
-        if not _leftovers_schema(table.schema):
+    def read_leftovers(url: str, generation: int, vectors: bool = True
+                       ) -> tuple[ShardHashes, np.ndarray | None]:
+        """A leftovers file of ``generation``: its keys, and its vectors (None where not
+        ``vectors``: its keys alone are read)."""
+        with storage.explained(url, "read"):
+            schema = storage.parquet_file(url).schema_arrow
+        if not _leftovers_schema(schema):
             raise StorageError(f"{url}: not a leftovers file (id, hash uint64, embedding "
                                "fixed_size_list<float>, born int64)")
+        columns = None if vectors else [c for c in schema.names if c != "embedding"]
+        table = storage.read_parquet(url, columns=columns)
         hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
         keys = ShardHashes(table.column("id").combine_chunks(), hashes, generation,
                            _born(table, generation))
-        return keys, vectors_of(table.column("embedding"), url)
+        return keys, vectors_of(table.column("embedding"), url) if vectors else None
 
     def _removed_records(self, suffix: str = ".json") -> list[tuple[int, str]]:
         """(generation, url) of every ``_removed`` file (the removal records, or the

@@ -123,6 +123,30 @@ def test_leftovers_of_another_shape_are_one_line(tmp_path, tiny_model_dir):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))
 
 
+def test_past_its_budget_a_shard_reads_the_vectors_of_leftovers_holding_its_rows(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """Each leftovers file's keys are read once; its vectors only when it holds a row asked
+    for (every file was read whole again for every slice with rows not found)."""
+    _first_run(tmp_path, tiny_model_dir)
+    folder = SetFolder(str(tmp_path / "out"), "mean")
+    for shard, row in (("a", 500), ("b", 600)):
+        folder.write_leftovers(2, shard, _keys(pa.array([row])), np.ones((1, 32), np.float32))
+    reads, read = [], SetFolder.read_leftovers
+
+    def counted(url: str, generation: int, vectors: bool = True):
+        reads.append((url.rsplit("-", 1)[-1], vectors))
+        return read(url, generation, vectors)
+
+    monkeypatch.setattr(SetFolder, "read_leftovers", staticmethod(counted))
+    stored = StoredVectors(folder.out, "mean", [], ["gone"], generation=2, shard_rows=0)
+    for row in (500, 700, 600):
+        stored.lookup(pa.array([row]), np.array([7], np.uint64))
+    assert reads == [("a.parquet", False), ("a.parquet", True), ("b.parquet", False),
+                     ("b.parquet", True)]
+    assert (stored.lookup(pa.array([500, 600]), np.array([7, 7], np.uint64)) >= 0).all()
+    assert stored.born(np.arange(2)).tolist() == [1, 1]  # the generation that made them
+
+
 def _reordered(tmp_path: Path, rows: list[tuple[int, str]]) -> None:
     random.Random(0).shuffle(rows)
     _write(tmp_path / "c" / "a.parquet", rows)
