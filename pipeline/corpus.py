@@ -144,10 +144,14 @@ def _apart(url: str, urls: list[str], out: str, pattern: bool) -> None:
 
 
 def _common_type(types: set[pa.DataType], kinds: set[str]) -> str:
-    """The files' id type if they agree, else the widest of its kind (int64 or string)."""
+    """The files' id type if they agree, else the widest of its kind: uint64 where every file
+    is unsigned and one is uint64, else int64; large_string for text."""
     if len(types) == 1:
         return str(next(iter(types)))
-    return "int64" if kinds == {"int"} else "large_string"
+    if kinds != {"int"}:
+        return "large_string"
+    unsigned = all(pa.types.is_unsigned_integer(t) for t in types)
+    return "uint64" if unsigned and pa.uint64() in types else "int64"
 
 
 def _line(exc: BaseException) -> str:

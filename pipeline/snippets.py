@@ -110,7 +110,7 @@ class SnippetStore:
         for url, group, column in self._groups:
             if not wanted:
                 break
-            value_set = pa.array(list(wanted)).cast(column.type, safe=False)
+            value_set = _of_type(list(wanted), column.type)
             pos = pc.index_in(value_set, value_set=column).to_numpy(zero_copy_only=False)
             hits = [(v, int(p)) for v, p in zip(value_set.to_pylist(), pos, strict=True)
                     if not np.isnan(p)]
@@ -165,6 +165,17 @@ def _sample(ids: pa.Array) -> pa.Array:
     """Up to SAMPLE_IDS ids spread evenly over ``ids``."""
     picks = np.unique(np.linspace(0, len(ids) - 1, min(len(ids), SAMPLE_IDS)).astype(np.int64))
     return ids.take(pa.array(picks)) if len(ids) else ids
+
+
+def _of_type(values: list, dtype: pa.DataType) -> pa.Array:
+    """The ``values`` an array of ``dtype`` can hold (integers in its range), as one: a set's
+    ids may lie beyond a corpus file's integer type, and beyond int64 (uint64)."""
+    if pa.types.is_integer(dtype):
+        bounds = np.iinfo(dtype.to_pandas_dtype())
+        values = [v for v in values if isinstance(v, int) and bounds.min <= v <= bounds.max]
+    else:
+        values = [v for v in values if isinstance(v, str)]
+    return pa.array(values, dtype)
 
 
 def _embedded_text(value: object, row: int, ids: pa.Array, texts: pa.Array) -> str | None:

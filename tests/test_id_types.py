@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from _flowkit import job, read_set, run_library, same_vectors, text_for
 
+import embedpipe
 from pipeline.corpus import id_type_holds
-from pipeline.errors import FingerprintError
+from pipeline.errors import CorpusError, FingerprintError
 from pipeline.index import open_index, read_meta
 from pipeline.index.build import IndexRequest, index_set
 from pipeline.sets import SetFolder
@@ -96,3 +97,32 @@ def test_id_type_holds() -> None:
                ("string", "int64"), ("int64", "string"), ("uint32", "int8")]
     assert all(id_type_holds(a, b) for a, b in holds)
     assert not any(id_type_holds(a, b) for a, b in refused)
+
+
+def test_uint64_ids_beyond_int64_are_searched_with_their_snippets(tmp_path: Path,
+                                                                  tiny_model_dir: Path) -> None:
+    """The snippets' lookup built its ids as int64 first: every search of such a set failed
+    with an OverflowError's traceback (query, ``embedpipe.search``, serve's start)."""
+    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
+    big = [2**63 + i for i in range(20)]
+    _write(corpus, pa.array(big, pa.uint64()), 20)
+    run_library(job(corpus, out, tiny_model_dir))
+    index_set(IndexRequest(out=str(out), set_name="mean", kind="flat"), say=lambda _: None)
+    (hits,) = embedpipe.search(str(out), text_for(3), k=1)
+    assert (hits[0].id, hits[0].snippet) == (big[3], text_for(3))
+
+
+def test_unsigned_files_beside_uint64_ones_share_uint64(tmp_path: Path,
+                                                        tiny_model_dir: Path) -> None:
+    """uint32 ids beside uint64 ones beyond int64: uint64 holds both (it was refused as
+    'other files' ids are signed'); a signed file beside them is still refused."""
+    folder, out = tmp_path / "c", tmp_path / "out"
+    big = [2**63 + i for i in range(10)]
+    _write(folder / "a.parquet", pa.array(big, pa.uint64()), 10)
+    _write(folder / "b.parquet", pa.array(range(100, 110), pa.uint32()), 10)
+    assert run_library(job(folder, out, tiny_model_dir)).rows == 20
+    assert SetFolder(str(out), "mean").meta().id_type == "uint64"
+    assert sorted(read_set(out, "mean")) == list(range(100, 110)) + big
+    _write(folder / "c.parquet", pa.array(range(20, 30), pa.int8()), 10)
+    with pytest.raises(CorpusError, match="other files' ids are signed"):
+        run_library(job(folder, tmp_path / "out2", tiny_model_dir))
