@@ -390,3 +390,27 @@ def test_search_encodes_queries_with_the_query_prompt(headed: Path, tmp_path: Pa
     got = searcher.encode(queries)
     np.testing.assert_allclose(got, st.encode_query(queries), atol=1e-5)
     assert np.abs(got - st.encode(queries)).max() > 1e-4  # not the document prompt
+
+
+@pytest.mark.parametrize(("args", "key"), [
+    ("model_args", "subfolder"), ("tokenizer_args", "tokenizer_file"),
+    ("config_args", "local_files_only"), ("model_args", "cache_dir")])
+def test_the_folders_files_cannot_say_where_its_files_are_read_from(
+        copy: Path, args: str, key: str) -> None:
+    """Weights or a tokenizer read from outside the folder escaped its hash: two sets of
+    vectors under one fingerprint (found by a review of what files in a model folder choose)."""
+    edit_json(copy / "sentence_bert_config.json", lambda c: c.update({args: {key: "../x"}}))
+    with pytest.raises(ModelError, match=rf"{args} may not set {key!r}"):
+        embedder(copy)
+
+
+def test_a_dense_activation_that_is_no_name_is_one_line(copy: Path) -> None:
+    edit_json(copy / "2_Dense" / "config.json", lambda c: c.update(activation_function=5))
+    with pytest.raises(ModelError, match="activation_function must be a class name, got 5"):
+        embedder(copy)
+
+
+def test_dense_weights_that_are_no_safetensors_are_one_line(copy: Path) -> None:
+    (copy / "2_Dense" / "model.safetensors").write_text("garbage")
+    with pytest.raises(ModelError, match="2_Dense/model.safetensors is not a safetensors file"):
+        embedder(copy)

@@ -38,6 +38,8 @@ def read_dense_config(folder: Path) -> DenseConfig:
         if raw.get(key, _IO) not in (_IO, None):
             raise ModelError(f"{path}: a Dense reading or writing {raw[key]!r} is not supported")
     name = raw.get("activation_function") or "torch.nn.modules.activation.Tanh"
+    if not isinstance(name, str):
+        raise ModelError(f"{path}: activation_function must be a class name, got {name!r}")
     activation = name.rsplit(".", 1)[-1]
     if not name.startswith("torch.nn.") or activation not in ACTIVATIONS:
         raise ModelError(
@@ -84,9 +86,14 @@ def load_dense(folder: Path) -> Dense:
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / "model.safetensors").is_file():
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(folder / "model.safetensors"))
+        try:
+            return load_file(str(folder / "model.safetensors"))
+        except SafetensorError as exc:
+            raise ModelError(f"{folder}/model.safetensors is not a safetensors file: "
+                             f"{exc}") from None
     if (folder / "pytorch_model.bin").is_file():
         try:  # tensors only: the restricted unpickler runs no code from the file
             return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)

@@ -68,9 +68,21 @@ def _refuse_unsupported(raw: dict, path: Path) -> None:
         raw.pop(key, None)
 
 
+# arguments that say where transformers reads files or which code it runs: a model folder's
+# files must not choose them (weights or a tokenizer from outside the folder would escape
+# its hash, and so the set's fingerprint); trust_remote_code is the operator's alone
+_WHERE_FROM = {"subfolder", "cache_dir", "local_files_only", "revision", "code_revision",
+               "token", "use_auth_token", "force_download", "proxies", "resume_download",
+               "trust_remote_code", "pretrained_model_name_or_path", "from_tf", "from_flax"}
+
+
 def _args(value: object, path: Path, name: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ModelError(f"{path}: {name} must be a JSON object, got {value!r}")
-    return {k: v for k, v in value.items() if k != "trust_remote_code"}
+    for key in value:
+        if key in _WHERE_FROM or key.endswith(("_file", "_files", "_dir", "_path")):
+            raise ModelError(f"{path}: {name} may not set {key!r}: a model folder's files "
+                             "cannot say where its files are read from")
+    return dict(value)
