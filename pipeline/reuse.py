@@ -99,9 +99,10 @@ class StoredVectors:
              source: str = "") -> None:
         """Append ``vectors`` with their (id, hash) ``keys`` and generations: rows ``size``
         on."""
-        if self._blocks and vectors.shape[1] != self.width:
+        width = self.width if self._blocks else self.folder.meta().dim  # its _SET.json's
+        if vectors.shape[1] != width:
             raise StorageError(f"{source or self.folder}: vectors of {vectors.shape[1]} "
-                               f"dimensions in a set of {self.width}")
+                               f"dimensions in a set of {width}")
         self._frames.append(keys.with_columns(at=np.arange(self.size, self.size + len(keys))))
         self._keys = None
         self._starts.append(self.size)

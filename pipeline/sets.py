@@ -392,6 +392,8 @@ class SetFolder:
         if not storage.exists(url):
             return ShardHashes(pa.array([]), np.zeros(0, np.uint64), -1, np.zeros(0, np.int64))
         table = storage.read_parquet(url)
+        if table.column_names[:2] != ["id", "hash"] or table.schema.field(1).type != pa.uint64():
+            raise StorageError(f"{url}: not a hashes file (id, hash uint64, born int64)")
         ids = table.column("id").combine_chunks()
         try:
             generation = int((table.schema.metadata or {}).get(b"generation", b"-1"))

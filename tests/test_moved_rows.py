@@ -98,11 +98,15 @@ def _keys(ids: pa.Array) -> ShardHashes:
     return ShardHashes(ids, np.array([7], np.uint64), 2, np.array([1]))
 
 
-def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("first", [True, False], ids=["first-block", "after-a-part"])
+def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir, first):
+    """Also where they are the first vectors a shard takes in: a shard then wrote a done
+    part of their width (found by an adversarial review)."""
     _first_run(tmp_path, tiny_model_dir)
     folder = SetFolder(str(tmp_path / "out"), "mean")
     shard = sorted(folder.read_markers())[0]
-    stored = StoredVectors(folder.out, "mean", [shard], ["gone"], generation=2, shard_rows=20)
+    stored = StoredVectors(folder.out, "mean", [] if first else [shard], ["gone"],
+                           generation=2, shard_rows=20)
     folder.write_leftovers(2, "other", _keys(pa.array([500])), np.zeros((1, 5), np.float32))
     with pytest.raises(StorageError, match="vectors of 5 dimensions in a set of 32"):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))

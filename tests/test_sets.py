@@ -126,6 +126,10 @@ def test_a_vectors_generation_the_hashes_cannot_hold_is_the_writers(tmp_path):
     pq.write_table(pa.table(keys).replace_schema_metadata({"generation": "x"}), url)
     with pytest.raises(StorageError, match="a.parquet: its generation is not a number"):
         folder.read_hashes("a")
+    for table in (pa.table({"id": [1]}), pa.table({"id": [1], "hash": [-5]})):
+        pq.write_table(table, url)
+        with pytest.raises(StorageError, match="a.parquet: not a hashes file"):
+            folder.read_hashes("a")
 
 
 def test_removal_records_merge_across_attempts_and_clear(tmp_path):
