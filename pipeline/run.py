@@ -189,7 +189,7 @@ def prepare(job: EmbedJob, load_embedder: Callable[[], Any], verify: bool = Fals
     id_type = _written_id_type(stored, corpus.id_type, job.out)
     metas = _claim(job, keys, stored, id_type, load_embedder)
     generation = {name: meta.generation + 1 for name, meta in metas.items()}
-    markers = {name: SetFolder(job.out, name).read_markers() for name in metas}
+    markers = {name: _standing(SetFolder(job.out, name)) for name in metas}
     quarantined = quarantined_shards(job.out) if job.quarantine else None
     drops = {s.id: _drops(duplicates, s) for s in shards}
     signatures = {s.id: _signature(s, drops[s.id]) for s in shards}
@@ -290,6 +290,13 @@ def _written_id_type(stored: dict[str, SetMeta | None], corpus_type: str, out: s
 def _drops(duplicates: Duplicates, shard: Shard) -> list[int]:
     rows = duplicates.drop.get(shard.file, [])
     return [r for r in rows if shard.offset <= r < shard.offset + shard.rows]
+
+
+def _standing(folder: SetFolder) -> dict[str, ShardMarker]:
+    """The set's done markers whose part stands: a shard with rows whose part is gone (removed
+    by hand, lost by the store) is redone, not counted as done and missing from the set."""
+    written = folder.written_shards()
+    return {sid: m for sid, m in folder.read_markers().items() if not m.rows or sid in written}
 
 
 def _done(marker: ShardMarker | None, signature: str, content: str,

@@ -329,9 +329,9 @@ class SetFolder:
         written by a run that died before its marker is not the set's (a later run redoes or
         retires it: ``unmarked_shards``), so no reader sees its rows twice."""
         marked = self.marked_shards()
-        return [self.part_url(shard) for shard in sorted(self._written_shards()) if shard in marked]
+        return [self.part_url(shard) for shard in sorted(self.written_shards()) if shard in marked]
 
-    def _written_shards(self) -> set[str]:
+    def written_shards(self) -> set[str]:
         """Shard ids of the ``part-*.parquet`` files in the folder (plain names only)."""
         names = (url.rsplit("/", 1)[-1] for url in storage.list_files(self.url, ".parquet"))
         return {shard for shard in map(shard_of, names) if shard is not None}
@@ -342,7 +342,7 @@ class SetFolder:
         counts as none (else its part stays the set's for good)."""
         hashed = (url.rsplit("/", 1)[-1][:-len(".parquet")]
                   for url in storage.list_files(self._at("_hashes"), ".parquet"))
-        written = self._written_shards() | {file_name(h, self.url) for h in hashed}
+        written = self.written_shards() | {file_name(h, self.url) for h in hashed}
         return written - set(self.marked_shards() if markers is None else markers)
 
     def scan(self) -> pl.LazyFrame:

@@ -16,9 +16,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _flowkit import job, out_digest, run_library, text_for, tree_digest, write_corpus
+from _flowkit import (
+    job,
+    out_digest,
+    read_set,
+    run_library,
+    same_vectors,
+    text_for,
+    tree_digest,
+    write_corpus,
+)
 
 from flows.cli import main
+from pipeline.sets import SetFolder
 
 ROWS = 40
 
@@ -116,3 +126,17 @@ def test_a_set_json_that_is_not_text_is_one_line(site, capsys):
     assert main(["index", str(site["out"]), "--set", "mean"]) != 0
     err = one_line_error(capsys, "index")
     assert "_SET.json is not valid JSON" in err, err
+
+
+def test_a_done_shard_whose_part_is_gone_is_redone(site):
+    """Its marker was trusted: a rerun ran nothing, _SET.json counted the rows and readers
+    and the index silently lacked them (found by an adversarial review)."""
+    out, folder = site["out"], SetFolder(str(site["out"]), "mean")
+    before = read_set(out, "mean")
+    shard = sorted(folder.read_markers())[0]
+    lost = folder.read_marker(shard).rows
+    Path(folder.part_url(shard)).unlink()
+    summary = run_library(job(site["corpus"], out, site["model"]))
+    assert (summary.embedded, summary.rows, lost > 0) == (lost, ROWS, True)
+    assert same_vectors(read_set(out, "mean"), before, atol=1e-6)
+    assert folder.meta().rows_written == ROWS
