@@ -59,6 +59,8 @@ def test_query_url_refuses_the_options_only_a_local_out_takes(option):
     """They were silently ignored: the server loads the set its own way."""
     line = _refused(_cli("query", "--url", UNREACHABLE, *option, "some", "words"), "query")
     assert f"{option[0]} is not taken with --url" in line  # refused before any request
+    # serve has --device and --trust-remote-code, but no --corpus (it was told to give it)
+    assert ("give it to `embedpipe serve`" in line) == (option[0] != "--corpus")
 
 
 def test_query_url_refuses_an_out_before_the_words(indexed):

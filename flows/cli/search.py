@@ -151,8 +151,10 @@ def _query_server(args: argparse.Namespace) -> int:
 
     for dest, option in _LOCAL_ONLY.items():
         if getattr(args, dest) not in (None, False):
+            where = ("the server reads snippets from the corpus each set's _SET.json records"
+                     if dest == "corpus" else "give it to `embedpipe serve`")
             raise ConfigError(f"{option} is not taken with --url: the server decides it "
-                              "(give it to `embedpipe serve`)")
+                              f"({where})")
     if _holds_sets(args.words[0]):
         raise ConfigError(f"{args.words[0]!r} is an output folder with sets: give OUT or "
                           "--url, not both")
