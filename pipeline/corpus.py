@@ -82,7 +82,7 @@ def describe(url: str, id_column: str, text_column: str, out: str | None = None
     rows = sum(sum(f.group_rows) for f in layouts)
     if rows == 0:
         raise CorpusError(f"corpus {url} is empty: {len(urls)} Parquet file(s), 0 rows")
-    id_type = _common_type(set(id_types.values()), kinds)
+    id_type = _common_type(set(id_types.values()), kinds, bool(unsigned))
     if id_type == "int64" and unsigned:
         raise CorpusError(
             f"ids of {unsigned[0]} are uint64 beyond int64 (or unknown: no statistics), but "
@@ -143,15 +143,15 @@ def _apart(url: str, urls: list[str], out: str, pattern: bool) -> None:
         )
 
 
-def _common_type(types: set[pa.DataType], kinds: set[str]) -> str:
-    """The files' id type if they agree, else the widest of its kind: uint64 where every file
-    is unsigned and one is uint64, else int64; large_string for text."""
+def _common_type(types: set[pa.DataType], kinds: set[str], beyond_int64: bool) -> str:
+    """The files' id type if they agree, else the widest of its kind: int64 (uint64 where a
+    file's ids go beyond int64 and every file is unsigned), or large_string for text."""
     if len(types) == 1:
         return str(next(iter(types)))
     if kinds != {"int"}:
         return "large_string"
     unsigned = all(pa.types.is_unsigned_integer(t) for t in types)
-    return "uint64" if unsigned and pa.uint64() in types else "int64"
+    return "uint64" if beyond_int64 and unsigned else "int64"
 
 
 def _line(exc: BaseException) -> str:

@@ -126,3 +126,8 @@ def test_unsigned_files_beside_uint64_ones_share_uint64(tmp_path: Path,
     _write(folder / "c.parquet", pa.array(range(20, 30), pa.int8()), 10)
     with pytest.raises(CorpusError, match="other files' ids are signed"):
         run_library(job(folder, tmp_path / "out2", tiny_model_dir))
+    # uint64 ids within int64 beside uint32 ones stay int64, as sets made before hold them
+    _write(folder / "a.parquet", pa.array(range(10), pa.uint64()), 10)
+    (folder / "c.parquet").unlink()
+    run_library(job(folder, tmp_path / "out3", tiny_model_dir))
+    assert SetFolder(str(tmp_path / "out3"), "mean").meta().id_type == "int64"
