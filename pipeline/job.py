@@ -45,6 +45,7 @@ class SetWork(BaseModel):
     name: str
     previous: list[str] = []
     moved: list[str] = []  # the run's shards whose rows may have moved (``pipeline.reuse``)
+    dim: int  # the set's vector width, as claimed: what is reused must have it
     prior: ShardMarker | None = None
     fingerprint: str | None = None  # the set's, as claimed: the worker's model must make it
 
@@ -140,7 +141,7 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     """
     started = time.perf_counter()
     stats, reader = ShardStats(), ShardStats()  # the reader thread keeps its own, added last
-    previous = {w.name: StoredVectors(request.job.out, w.name, w.previous, w.moved,
+    previous = {w.name: StoredVectors(request.job.out, w.name, w.dim, w.previous, w.moved,
                                       request.generation[w.name], request.shard.rows)
                 for w in request.sets}
     quarantine: list[pa.Table] = []
@@ -239,7 +240,7 @@ class _Collected:
             if hit.any():
                 born[hit] = previous[name].born(found[hit])
             self.born[name].append(born)
-            reused = int((found >= 0).sum())
+            reused = int(hit.sum())
             self.embedded[name] += len(found) - reused
             self.reused[name] += reused
         self.ids.append(piece.ids)
@@ -356,7 +357,7 @@ def _assemble(piece: _Slice, found: np.ndarray, encoded: np.ndarray, previous: S
               ) -> np.ndarray:
     """A slice's vectors for one set: stored ones where found, else the encoded ones."""
     hit = found >= 0
-    width = previous.width if hit.any() else encoded.shape[1]
+    width = previous.dim if hit.any() else encoded.shape[1]
     matrix = np.empty((len(found), width), np.float32)
     if len(piece.need):
         matrix[piece.need] = encoded[piece.source]

@@ -29,9 +29,10 @@ ABSORB_PER_ROW = 2
 class StoredVectors:
     """The vectors of one set that a shard may reuse, numbered in the order they were read."""
 
-    def __init__(self, out: str, name: str, previous: list[str], moved: list[str] = (),
-                 generation: int = 0, shard_rows: int = 0) -> None:
+    def __init__(self, out: str, name: str, dim: int, previous: list[str],
+                 moved: list[str] = (), generation: int = 0, shard_rows: int = 0) -> None:
         self.folder = SetFolder(out, name)
+        self.dim = dim  # the set's (``_SET.json``, as the run claimed it): what is stored must be
         self._blocks: list[np.ndarray] = []
         self._born: list[np.ndarray] = []  # each stored vector's generation (``ShardHashes``)
         self._starts: list[int] = []
@@ -39,11 +40,9 @@ class StoredVectors:
         self._keys: pl.DataFrame | None = None  # the frames as one, made when asked
         self.size = 0
         for shard in previous:
-            stored = self.folder.read_hashes(shard)
-            if len(stored.ids) and self.folder.has_part(shard):
-                part_ids, part = self.folder.read_part(shard)
-                if part_ids.equals(stored.ids):  # else part and hashes disagree: trust neither
-                    self._add(_keys(stored.ids, stored.hashes), part, stored.born)
+            found = self._read_part(shard)
+            if found is not None:
+                self._add(*found)
         self._moved = list(moved)  # the run's whole list: one cache entry for every shard
         self._spent = {i for i, s in enumerate(self._moved) if s in set(previous)}
         self._generation = generation
@@ -91,18 +90,13 @@ class StoredVectors:
             out[at] = blocks[b][rows[at] - self._starts[b]]
         return out
 
-    @property
-    def width(self) -> int:
-        return self._blocks[0].shape[1]
-
     def _add(self, keys: pl.DataFrame, vectors: np.ndarray, born: np.ndarray,
              source: str = "") -> None:
         """Append ``vectors`` with their (id, hash) ``keys`` and generations: rows ``size``
         on."""
-        width = self.width if self._blocks else self.folder.meta().dim  # its _SET.json's
-        if vectors.shape[1] != width:
+        if vectors.shape[1] != self.dim:
             raise StorageError(f"{source or self.folder}: vectors of {vectors.shape[1]} "
-                               f"dimensions in a set of {width}")
+                               f"dimensions in a set of {self.dim}")
         self._frames.append(keys.with_columns(at=np.arange(self.size, self.size + len(keys))))
         self._keys = None
         self._starts.append(self.size)
@@ -138,22 +132,19 @@ class StoredVectors:
         lasts, then only the rows of ``wanted``, read where its keys (read once) hold any."""
         whole = self._budget > 0
         if not whole:
-            keys = self._leftover_keys.get(url)
-            if keys is None:
-                keys = self._checked(url, self.folder.read_leftovers(
-                    url, self._generation, vectors=False)[0], wanted)
-            self._leftover_keys[url] = keys
-            if keys.join(wanted, on=["id", "hash"]).is_empty():
+            if url not in self._leftover_keys:
+                stored, _ = self.folder.read_leftovers(url, self._generation, vectors=False)
+                self._leftover_keys[url] = self._checked(url, stored, wanted)
+            if not len(_rows_in(self._leftover_keys[url], wanted)):
                 return None
         stored, vectors = self.folder.read_leftovers(url, self._generation)
-        keys, born = self._checked(url, stored, wanted), stored.born
+        keys = self._checked(url, stored, wanted)
         if whole:  # taken in whole: never read again
             self._spent_files.add(url)
             self._budget -= len(keys)
-            return keys, vectors, born
-        self._leftover_keys[url] = keys
-        rows = keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"].to_numpy()
-        return keys[rows], vectors[rows], born[rows]
+            return keys, vectors, stored.born
+        rows = _rows_in(keys, wanted)
+        return keys[rows], vectors[rows], stored.born[rows]
 
     @staticmethod
     def _checked(url: str, stored: ShardHashes, wanted: pl.DataFrame) -> pl.DataFrame:
@@ -194,24 +185,38 @@ class StoredVectors:
         if before is None:
             return None
         try:
-            stored = self.folder.read_hashes(shard)
-            ids = stored.ids
-            part_ids, vectors = self.folder.read_part(shard) if len(ids) else (ids, None)
+            found = self._read_part(shard)
         except StorageError:
             if self.folder.read_marker(shard) == before:
                 raise
             return None  # another worker rewrote it meanwhile: its files came and went
-        if not len(ids) or not part_ids.equals(ids) or self.folder.read_marker(shard) != before:
+        if found is None or self.folder.read_marker(shard) != before:
             return None
-        keys = _keys(ids, stored.hashes)
         if wanted is None:
-            return keys, vectors, stored.born
-        rows = keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"].to_numpy()
-        return keys[rows].select("id", "hash"), vectors[rows], stored.born[rows]
+            return found
+        keys, vectors, born = found
+        rows = _rows_in(keys, wanted)
+        return keys[rows], vectors[rows], born[rows]
+
+    def _read_part(self, shard: str) -> tuple[pl.DataFrame, np.ndarray, np.ndarray] | None:
+        """A shard's stored keys, vectors and their generations; None where it has no rows,
+        or its part and hashes disagree (trust neither)."""
+        stored = self.folder.read_hashes(shard)
+        if not len(stored.ids) or not self.folder.has_part(shard):
+            return None
+        part_ids, vectors = self.folder.read_part(shard)
+        if not part_ids.equals(stored.ids):
+            return None
+        return _keys(stored.ids, stored.hashes), vectors, stored.born
 
 
 def _keys(ids: pa.Array, hashes: np.ndarray) -> pl.DataFrame:
     return pl.DataFrame({"id": pl.from_arrow(ids), "hash": pl.Series(hashes, dtype=pl.UInt64)})
+
+
+def _rows_in(keys: pl.DataFrame, wanted: pl.DataFrame) -> np.ndarray:
+    """Positions in ``keys`` of the (id, hash) pairs ``wanted`` holds."""
+    return keys.with_row_index("row").join(wanted, on=["id", "hash"])["row"].to_numpy()
 
 
 def _columns(keys: pl.DataFrame) -> tuple[pa.Array, np.ndarray]:

@@ -317,7 +317,7 @@ def _set_work(shard: Shard, markers: dict[str, ShardMarker], meta: SetMeta, move
         for m in markers.values()
         if shard.overlaps(m.file, m.first_group, m.end_group)
     ]
-    return SetWork(name=meta.name, previous=sorted(previous), moved=moved,
+    return SetWork(name=meta.name, previous=sorted(previous), moved=moved, dim=meta.dim,
                    prior=markers.get(shard.id), fingerprint=meta.fingerprint)
 
 

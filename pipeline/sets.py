@@ -159,6 +159,13 @@ class ShardHashes(NamedTuple):
     born: np.ndarray
 
 
+def _shard_hashes(table: pa.Table, generation: int) -> ShardHashes:
+    """A hashes or leftovers table's keys (its columns checked by the caller)."""
+    hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
+    return ShardHashes(table.column("id").combine_chunks(), hashes, generation,
+                       _born(table, generation))
+
+
 def _born(table: pa.Table, generation: int) -> np.ndarray:
     """The ``born`` column of a hashes or leftovers table; where there is none (a file from
     before it was kept) or it is not a generation up to ``generation``: ``generation`` for
@@ -394,13 +401,11 @@ class SetFolder:
         table = storage.read_parquet(url)
         if table.column_names[:2] != ["id", "hash"] or table.schema.field(1).type != pa.uint64():
             raise StorageError(f"{url}: not a hashes file (id, hash uint64, born int64)")
-        ids = table.column("id").combine_chunks()
         try:
             generation = int((table.schema.metadata or {}).get(b"generation", b"-1"))
         except ValueError:
             raise StorageError(f"{url}: its generation is not a number") from None
-        hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
-        return ShardHashes(ids, hashes, generation, _born(table, generation))
+        return _shard_hashes(table, generation)
 
     def remove_part(self, shard: str) -> None:
         storage.remove(self.part_url(shard))
@@ -501,9 +506,7 @@ class SetFolder:
                                "fixed_size_list<float>, born int64)")
         columns = None if vectors else [c for c in schema.names if c != "embedding"]
         table = storage.read_parquet(url, columns=columns)
-        hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
-        keys = ShardHashes(table.column("id").combine_chunks(), hashes, generation,
-                           _born(table, generation))
+        keys = _shard_hashes(table, generation)
         return keys, vectors_of(table.column("embedding"), url) if vectors else None
 
     def _removed_records(self, suffix: str = ".json") -> list[tuple[int, str]]:

@@ -86,10 +86,10 @@ def test_a_moved_from_part_is_not_read_once_its_marker_changed(tmp_path, tiny_mo
     markers = folder.read_markers()
     [shard] = [s for s in markers if s.endswith("g00002-00004")]
     ids, hashes, _, _ = folder.read_hashes(shard)
-    stored = StoredVectors(folder.out, "mean", [], [shard], generation=2, shard_rows=20)
+    stored = StoredVectors(folder.out, "mean", 32, [], [shard], generation=2, shard_rows=20)
     assert (stored.lookup(ids, hashes) >= 0).all()
     folder.remove_marker(shard)
-    fresh = StoredVectors(folder.out, "mean", [], [shard], generation=3, shard_rows=20)
+    fresh = StoredVectors(folder.out, "mean", 32, [], [shard], generation=3, shard_rows=20)
     assert (fresh.lookup(ids, hashes) == -1).all()
 
 
@@ -105,7 +105,7 @@ def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir, first)
     _first_run(tmp_path, tiny_model_dir)
     folder = SetFolder(str(tmp_path / "out"), "mean")
     shard = sorted(folder.read_markers())[0]
-    stored = StoredVectors(folder.out, "mean", [] if first else [shard], ["gone"],
+    stored = StoredVectors(folder.out, "mean", 32, [] if first else [shard], ["gone"],
                            generation=2, shard_rows=20)
     folder.write_leftovers(2, "other", _keys(pa.array([500])), np.zeros((1, 5), np.float32))
     with pytest.raises(StorageError, match="vectors of 5 dimensions in a set of 32"):
@@ -115,7 +115,7 @@ def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir, first)
 def test_leftovers_of_another_shape_are_one_line(tmp_path, tiny_model_dir):
     _first_run(tmp_path, tiny_model_dir)
     folder = SetFolder(str(tmp_path / "out"), "mean")
-    stored = StoredVectors(folder.out, "mean", [], ["gone"], generation=2, shard_rows=20)
+    stored = StoredVectors(folder.out, "mean", 32, [], ["gone"], generation=2, shard_rows=20)
     url = tmp_path / "out" / "sets" / "mean" / "_removed" / "000002-other.parquet"
     url.parent.mkdir()
     pq.write_table(pa.table({"id": [500], "hash": ["x"]}), url)
@@ -142,7 +142,7 @@ def test_past_its_budget_a_shard_reads_the_vectors_of_leftovers_holding_its_rows
         return read(url, generation, vectors)
 
     monkeypatch.setattr(SetFolder, "read_leftovers", staticmethod(counted))
-    stored = StoredVectors(folder.out, "mean", [], ["gone"], generation=2, shard_rows=0)
+    stored = StoredVectors(folder.out, "mean", 32, [], ["gone"], generation=2, shard_rows=0)
     for row in (500, 700, 600):
         stored.lookup(pa.array([row]), np.array([7], np.uint64))
     assert reads == [("a.parquet", False), ("a.parquet", True), ("b.parquet", False),
