@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field
 
 from pipeline import storage
 from pipeline.errors import ConfigError, EmbedpipeError, StorageError
@@ -51,6 +52,10 @@ from pipeline.errors import ConfigError, EmbedpipeError, StorageError
 LEASE_FILE = "_LEASE.json"
 TTL_ENV = "EMBEDPIPE_LEASE_TTL"
 DEFAULT_TTL = 60.0
+MAX_TTL = 86_400.0
+MAX_LEASE_BYTES = 64 * 1024  # a holder record is under 2 KB; more is not a lease
+# Times a holder record may hold: from the epoch to the year 5138, so every one is a date.
+_Time = Field(ge=0.0, le=1e11, allow_inf_nan=False)
 
 
 class LeaseHeld(EmbedpipeError):
@@ -69,9 +74,9 @@ class Holder(BaseModel):
     pid: int
     command: str  # the flow: embed, backfill, nightly, index
     argv: str = ""  # the holder's command line
-    since: float
-    renewed: float
-    ttl: float
+    since: float = _Time
+    renewed: float = _Time
+    ttl: float = Field(gt=0.0, le=MAX_TTL, allow_inf_nan=False)
     renewals: int = 0  # makes every write unique (an S3 ETag is the MD5 of the content)
     released: bool = False
     process: str = ""  # ``process_identity`` of the holder ("": not known)
@@ -137,8 +142,8 @@ def lease_ttl() -> float:
         ttl = float(raw)
     except ValueError:
         ttl = 0.0
-    if not 0.5 <= ttl <= 86_400:
-        raise ConfigError(f"{TTL_ENV}={raw!r}: expected seconds between 0.5 and 86400")
+    if not 0.5 <= ttl <= MAX_TTL:
+        raise ConfigError(f"{TTL_ENV}={raw!r}: expected seconds between 0.5 and {MAX_TTL:.0f}")
     return ttl
 
 
@@ -178,15 +183,25 @@ class _LocalStore:
 
     def read(self) -> tuple[bytes | None, str | None]:
         """The lease's bytes and version (None, None: no lease); any other failure to read
-        (NFS's ESTALE, EIO) is a StorageError, which the renewer rides out."""
+        (NFS's ESTALE, EIO) is a StorageError, which the renewer rides out. Opened without
+        blocking and read only if it is a regular file: a FIFO or device put in its place
+        would hang every writer, a huge file fill its memory."""
         try:
-            with open(self.url, "rb") as fh:
-                data = fh.read()
+            fd = os.open(self.url, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None, None
         except OSError as exc:
             raise StorageError(f"cannot read {self.url}: {type(exc).__name__}: "
                                f"{exc}") from None
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StorageError(f"{self.url} is not a regular file, so not a writer lease; "
+                                   "remove it")
+            try:
+                data = fh.read(MAX_LEASE_BYTES + 1)
+            except OSError as exc:
+                raise StorageError(f"cannot read {self.url}: {type(exc).__name__}: "
+                                   f"{exc}") from None
         return data, hashlib.sha256(data).hexdigest()
 
     def create(self, data: bytes) -> str | None:
@@ -229,10 +244,14 @@ class _S3Store:
         async def get() -> tuple[bytes, str]:
             response = await self._fs._call_s3("get_object", Bucket=self._bucket, Key=self._key)
             body = response["Body"]
-            try:
-                return await body.read(), response["ETag"]
+            data = b""
+            try:  # a read returns what has arrived: read on to one byte past the limit
+                while len(data) <= MAX_LEASE_BYTES and (
+                        chunk := await body.read(MAX_LEASE_BYTES + 1 - len(data))):
+                    data += chunk
             finally:
                 body.close()
+            return data, response["ETag"]
 
         with storage.explained(self.url, "read"):
             try:
@@ -307,8 +326,10 @@ def _read_holder(store: _Store) -> tuple[Holder | None, str | None]:
     if data is None:
         return None, None
     try:
+        if len(data) > MAX_LEASE_BYTES:
+            raise ValueError("too large")
         return Holder.model_validate_json(data), version
-    except ValidationError:
+    except ValueError:  # a pydantic ValidationError too
         raise StorageError(
             f"{store.url} is not a writer lease; if no embedpipe writer is running on this "
             "OUT, remove it"

@@ -426,3 +426,36 @@ def test_a_store_that_ignores_conditional_writes_is_refused(s3_server, s3_bucket
     with writer_lease(out, "embed"):
         assert holder(out)["command"] == "embed"
     assert {s3_bucket} == lease_module._SWAPS_CHECKED
+
+
+@pytest.mark.parametrize("field, value", [("renewed", float("nan")), ("since", 1e300),
+                                          ("renewed", float("inf")), ("ttl", 1e12),
+                                          ("ttl", -1.0)])
+def test_a_holder_record_with_impossible_times_is_not_a_lease(out, field, value):
+    """A renewal time of NaN never expired (every comparison with it is false), so the lease
+    was held for ever; a start time past year 9999 was an OverflowError traceback."""
+    now = time.time()
+    record = {"token": "t", "host": "h", "pid": 1, "command": "embed", "since": now,
+              "renewed": now, "ttl": 600} | {field: value}
+    storage.write_bytes(storage.join(out, LEASE_FILE), json.dumps(record).encode())
+    with pytest.raises(StorageError, match="is not a writer lease; if no embedpipe writer"):
+        WriterLease(out, "embed").acquire()
+
+
+def test_a_lease_file_too_large_to_be_one_is_refused_unread(out):
+    """Read only up to 64 KiB: a record padded past that is refused, though it parses."""
+    now = time.time()
+    record = {"token": "t", "host": "h", "pid": 1, "command": "embed", "since": now,
+              "renewed": now, "ttl": 600}
+    storage.write_bytes(storage.join(out, LEASE_FILE),
+                        json.dumps(record).encode() + b" " * (1 << 20))
+    with pytest.raises(StorageError, match="is not a writer lease"):
+        WriterLease(out, "embed").acquire()
+
+
+def test_a_fifo_in_place_of_the_lease_is_one_line_not_a_hang(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / LEASE_FILE)
+    with pytest.raises(StorageError, match="is not a regular file, so not a writer lease"):
+        WriterLease(str(out), "embed").acquire()
