@@ -512,6 +512,7 @@ def _enter(key: str, out: str, command: str, wait: float) -> WriterLease | None:
             lease = WriterLease(out, command)
             lease.acquire(wait)
             try:  # OUT is this writer's now: what writers killed mid-write left goes
+                storage.refuse_linked_folders(out)
                 storage.remove_stale_temporaries(out, older_than=lease.ttl)
             except StorageError:
                 lease.release()

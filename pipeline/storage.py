@@ -280,6 +280,22 @@ def remove_stale_temporaries(url: str, older_than: float) -> int:
     return removed
 
 
+def refuse_linked_folders(url: str) -> None:
+    """A writer writes and removes files only inside local folder ``url``: a folder below it
+    that is a symbolic link (``OUT/index/<set>`` linked elsewhere) would take its writes, and
+    its pruning, outside. One line naming the first such link; ``url`` itself may be one."""
+    if is_remote(url):
+        return
+    with explained(url, "check"):
+        for folder, dirs, _ in os.walk(url.removeprefix("file://")):
+            for name in dirs:
+                path = os.path.join(folder, name)
+                if os.path.islink(path):
+                    raise StorageError(
+                        f"{path!r} is a symbolic link to {os.readlink(path)!r}: a writer writes "
+                        f"and removes files only inside {url}; put the folder itself there")
+
+
 def _remove_if_older(path: str, is_dir: bool, cutoff: float) -> int:
     try:
         if os.path.islink(path) or _last_written(path, is_dir) >= cutoff:

@@ -236,6 +236,11 @@ def prefect_api():
     (flows.runtime), which the CLI subprocesses of the tests use too, so the suite pays one
     server start (tens of seconds here) instead of two. Where the developer configured an
     API URL, Prefect's test harness keeps the tests off that server."""
+    from flows.cli import quiet_prefect
+
+    quiet_prefect()  # as the first in-process main() does: Prefect reads it on its import,
+    # so a test file run alone logs as it does in the suite
+
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.runtime import MODE_ENV, local_api

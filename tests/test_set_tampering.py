@@ -140,3 +140,27 @@ def test_a_done_shard_whose_part_is_gone_is_redone(site):
     assert (summary.embedded, summary.rows, lost > 0) == (lost, ROWS, True)
     assert same_vectors(read_set(out, "mean"), before, atol=1e-6)
     assert folder.meta().rows_written == ROWS
+
+
+@pytest.mark.parametrize("linked", ["sets/mean", "index/mean", "sets/mean/_done"])
+def test_a_folder_in_out_linked_elsewhere_is_refused_before_any_write(site, capsys,
+                                                                      prefect_api, linked):
+    """A folder of OUT that is a symbolic link took a writer's files, and its pruning, outside
+    OUT: an embed of a grown corpus wrote its parts into the link's target, an index rebuild
+    replaced the files there. Now every writer refuses it in one line, before any work."""
+    assert main(["index", str(site["out"]), "--memory-budget", "1GB"]) == 0
+    capsys.readouterr()
+    grown = write_corpus(site["tmp"] / "grown.parquet", list(range(ROWS + 10)),
+                         [text_for(i, "v2") for i in range(ROWS + 10)])
+    folder = site["out"] / linked
+    elsewhere = site["tmp"] / "elsewhere"
+    folder.rename(elsewhere)
+    folder.symlink_to(elsewhere, target_is_directory=True)
+    before, inside = outside(site), out_digest(site["out"])
+    embed = [*embed_args(site)[:1], str(grown), *embed_args(site)[2:]]
+    index = ["index", str(site["out"]), "--set", "mean", "--rebuild"]
+    for args, command in ((embed, "embed"), (index, "index")):
+        assert main(args) == 1
+        err = one_line_error(capsys, command)
+        assert f"{str(folder)!r} is a symbolic link to {str(elsewhere)!r}" in err, err
+    assert outside(site) == before and out_digest(site["out"]) == inside
