@@ -408,10 +408,10 @@ def _write_set(request: ShardRequest, work: SetWork, rows: ShardHashes,
         return False, 0
     left = (pc.invert(pc.is_in(old_ids, value_set=ids)).to_numpy(zero_copy_only=False)
             if len(old_ids) else np.zeros(0, bool))  # no stored ids: an array of null type
-    removed = old_ids.filter(left).to_pylist()
+    removed = old_ids.filter(left)
     folder.record_removed(generation, shard.id, removed)
-    if removed and work.moved:
-        _keep_leftovers(folder, generation, shard.id, old_ids.filter(left), old_hashes[left],
+    if len(removed) and work.moved:
+        _keep_leftovers(folder, generation, shard.id, removed, old_hashes[left],
                         stored)
     if work.prior is not None:  # its rows change: not done until the new marker (a run that
         folder.remove_marker(shard.id)  # dies in between must not leave the old one on them)

@@ -20,7 +20,14 @@ from pydantic import BaseModel
 
 from pipeline import faults, storage
 from pipeline.config import EmbedJob, stable_hash
-from pipeline.corpus import CorpusInfo, Duplicates, describe, find_duplicates, id_type_holds
+from pipeline.corpus import (
+    CorpusInfo,
+    Duplicates,
+    arrow_id_type,
+    describe,
+    find_duplicates,
+    id_type_holds,
+)
 from pipeline.errors import CorpusError, FingerprintError
 from pipeline.job import SetWork, ShardRequest, ShardResult
 from pipeline.sets import (
@@ -372,15 +379,15 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
     """One set at a run's end: retire its unplanned shards, write its changes file (when
     generation ``g`` changed it) and ``_SET.json`` (the corpus where this run read it: search
     joins snippets from there); returns the new metadata and how many ids left the set."""
-    markers = folder.read_markers()
+    markers, meta = folder.read_markers(), folder.meta()
     _retire(folder, markers, planned, g)
     live = [m for sid, m in markers.items() if sid in planned]
     parts = [part_name(m.shard) for m in live if m.generation == g and m.rows]
-    removed = folder.removed_ids(g)
+    removed = folder.removed_ids(g, arrow_id_type(meta.id_type))
     deleted = _left_the_set(folder, removed, [m.shard for m in live])
     changed = bool(parts or removed)
     held = ShardStats.total(ShardStats(rows=m.rows, skipped=m.skipped) for m in live)
-    meta = folder.meta().model_copy(
+    meta = meta.model_copy(
         update={
             "shards_done": len(live),
             "rows_written": held.rows,
@@ -405,7 +412,7 @@ def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None
     gone = set(markers) | folder.unmarked_shards(markers)
     for sid in sorted(sid for sid in gone if sid not in planned):
         ids = folder.read_hashes(sid).ids
-        folder.record_removed(g, sid, ids.to_pylist())
+        folder.record_removed(g, sid, ids)
         folder.remove_marker(sid)
         faults.hit("retire_part", f"{sid}/{folder.name}")
         folder.remove_part(sid)

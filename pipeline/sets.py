@@ -199,6 +199,24 @@ class SetChanges(BaseModel):
     deleted_ids: list
 
 
+def stored_ids(values: object, id_type: pa.DataType, where: str) -> pa.Array:
+    """Ids read from a JSON file (a removal record, a changes file) as an array of the set's
+    ``id_type``: a list of integers in its range, or of strings; anything else (a float
+    truncated, a string in an integer set, a list, a null) is one line naming ``where``."""
+    if not isinstance(values, list):
+        raise StorageError(f"{where}: its ids are not a list")
+    kind = int if pa.types.is_integer(id_type) else str
+    odd = next((v for v in values if type(v) is not kind), None)
+    if odd is not None or None in values:
+        raise StorageError(f"{where}: its ids are not the set's {id_type} (one is "
+                           f"{type(odd).__name__})")
+    try:
+        return pa.array(values, id_type)
+    except (pa.ArrowException, OverflowError):
+        raise StorageError(f"{where}: its ids are not the set's {id_type} (one is out of its "
+                           "range)") from None
+
+
 def part_name(shard: str) -> str:
     return f"{PART_PREFIX}{file_name(shard, 'a shard id')}.parquet"
 
@@ -458,14 +476,15 @@ class SetFolder:
     def _removed_url(self, generation: int, shard: str, suffix: str = ".json") -> str:
         return self._at("_removed", f"{generation:06d}-{file_name(shard, 'a shard id')}{suffix}")
 
-    def record_removed(self, generation: int, shard: str, ids: list) -> None:
+    def record_removed(self, generation: int, shard: str, ids: pa.Array) -> None:
         """Add ``ids`` to what ``generation`` removed from ``shard`` (merged with earlier
         attempts)."""
-        if not ids:
+        if not len(ids):
             return
         url = self._removed_url(generation, shard)
-        earlier = self._removed_record(url) if storage.exists(url) else []
-        payload = {"generation": generation, "ids": list(dict.fromkeys(earlier + ids))}
+        earlier = self._removed_record(url, ids.type) if storage.exists(url) else []
+        payload = {"generation": generation,
+                   "ids": list(dict.fromkeys(earlier + ids.to_pylist()))}
         storage.write_json(url, payload)
 
     def write_leftovers(self, generation: int, shard: str, rows: ShardHashes,
@@ -523,17 +542,15 @@ class SetFolder:
         return found
 
     @staticmethod
-    def _removed_record(url: str) -> list:
-        ids = storage.read_json(url).get("ids")
-        if not isinstance(ids, list):
-            raise StorageError(f"{url} needs a list 'ids'")
-        return ids
+    def _removed_record(url: str, id_type: pa.DataType) -> list:
+        return stored_ids(storage.read_json(url).get("ids"), id_type, url).to_pylist()
 
-    def removed_ids(self, generation: int) -> list:
+    def removed_ids(self, generation: int, id_type: pa.DataType) -> list:
+        """The ids ``generation`` removed from the set's shards, as ``id_type``'s values."""
         found: list = []
         for g, url in self._removed_records():
             if g == generation:
-                found.extend(self._removed_record(url))
+                found.extend(self._removed_record(url, id_type))
         return list(dict.fromkeys(found))
 
     def clear_removed(self, up_to: int) -> None:
@@ -552,13 +569,14 @@ class SetFolder:
             file_name(name, "a changes file")
         storage.write_json(self.changes_url(generation), changes.model_dump())
 
-    def read_changes(self, generation: int) -> SetChanges | None:
-        """``_changes/<generation>.json`` with its part names checked, or None when that run
-        left no changes file."""
+    def read_changes(self, generation: int, id_type: pa.DataType) -> SetChanges | None:
+        """``_changes/<generation>.json`` with its part names and deleted ids (as values of
+        the set's ``id_type``) checked, or None when that run left no changes file."""
         url = self.changes_url(generation)
         changes = storage.read_model(url, SetChanges, "a changes file")
         if changes is None:
             return None
         for name in changes.parts:
             file_name(name, url)
-        return changes
+        deleted = stored_ids(changes.deleted_ids, id_type, url).to_pylist()
+        return changes.model_copy(update={"deleted_ids": deleted})

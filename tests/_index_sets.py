@@ -30,19 +30,21 @@ def clustered(rows: int, dim: int, seed: int = 0, clusters: int = 64,
     return x.astype(np.float32)
 
 
-def part_table(ids: list | np.ndarray, vectors: np.ndarray) -> pa.Table:
+def part_table(ids: list | np.ndarray, vectors: np.ndarray,
+               id_type: pa.DataType | None = None) -> pa.Table:
     flat = pa.array(np.ascontiguousarray(vectors, np.float32).ravel(), pa.float32())
     emb = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
-    return pa.table({"id": pa.array(ids), "embedding": emb})
+    return pa.table({"id": pa.array(ids, id_type), "embedding": emb})
 
 
 def meta(name: str, dim: int, normalize: bool = True, generation: int = 1,
-         fingerprint: str = "fp-test", **extra) -> dict:
+         fingerprint: str = "fp-test", id_type: str = "int64", **extra) -> dict:
     return {
         "name": name, "fingerprint": fingerprint, "model": "synthetic", "model_hash": "none",
         "encoder": {}, "pooler": {"name": name}, "dim": dim, "dtype": "fp32",
         "normalize": normalize, "max_length": 128, "window": None, "shards_done": 1,
-        "rows_written": 0, "rows_skipped": {}, "generation": generation, **extra,
+        "rows_written": 0, "rows_skipped": {}, "generation": generation, "id_type": id_type,
+        **extra,
     }
 
 
@@ -55,11 +57,13 @@ def write_set(out: Path, name: str, ids, vectors: np.ndarray, parts: int = 3,
     folder = out / "sets" / name
     folder.mkdir(parents=True, exist_ok=True)
     ids = list(ids)
+    id_type = pa.array(ids).type if ids else pa.int64()  # what every part of it stores
+    extra.setdefault("id_type", str(id_type))
     names = []
     for i, chunk in enumerate(np.array_split(np.arange(len(ids)), parts)):
         part = f"part-{i:05d}.parquet"
-        pq.write_table(part_table([ids[j] for j in chunk], vectors[chunk]), folder / part,
-                       row_group_size=row_group)
+        pq.write_table(part_table([ids[j] for j in chunk], vectors[chunk], id_type),
+                       folder / part, row_group_size=row_group)
         write_marker(out, name, part, len(chunk), generation)
         names.append(part)
     write_meta(out, name, meta(name, vectors.shape[1], normalize, generation, **extra))

@@ -211,7 +211,8 @@ def test_index_refuses_a_set_of_another_fingerprint_or_dimension(tmp_path):
     x = clustered(500, 8, seed=12)
     parts = write_set(tmp_path, "s", [f"d{i}" for i in range(500)], x)
     token = build(tmp_path).meta.set_token
-    write_meta(tmp_path, "s", meta("s", 8, fingerprint="fp-other", generation=2, token=token))
+    write_meta(tmp_path, "s", meta("s", 8, fingerprint="fp-other", generation=2, token=token,
+                                   id_type="string"))
     with pytest.raises(FingerprintError, match=r"fp-test .* now has fp-other.*--rebuild"):
         build(tmp_path)
     write_part(tmp_path, "s", parts[0], ["x"], np.ones((1, 4), "f4"))

@@ -164,3 +164,46 @@ def test_a_folder_in_out_linked_elsewhere_is_refused_before_any_write(site, caps
         err = one_line_error(capsys, command)
         assert f"{str(folder)!r} is a symbolic link to {str(elsewhere)!r}" in err, err
     assert outside(site) == before and out_digest(site["out"]) == inside
+
+
+@pytest.mark.parametrize("deleted", [["x"], [1.5], [2**64], [[3]]])
+def test_a_changes_file_with_ids_not_of_the_sets_type_is_one_line(site, capsys, prefect_api,
+                                                                  deleted):
+    """An index catch-up turned them into Arrow ids: a traceback (a string, a list, an int
+    beyond int64), or a float truncated to another row's id, which the index then lost."""
+    assert main(["index", str(site["out"]), "--memory-budget", "1GB"]) == 0
+    capsys.readouterr()
+    folder = site["out"] / "sets" / "mean"
+    meta = json.loads((folder / "_SET.json").read_text())
+    (folder / "_SET.json").write_text(json.dumps(meta | {"generation": 2}))
+    changes = folder / "_changes" / "000002.json"
+    changes.write_text(json.dumps({"generation": 2, "parts": [], "deleted_ids": deleted}))
+    index = tree_digest(site["out"] / "index")
+    assert main(["index", str(site["out"])]) == 1
+    assert f"{changes}: its ids are not the set's int64" in one_line_error(capsys, "index")
+    assert tree_digest(site["out"] / "index") == index
+
+
+def test_a_removal_record_with_ids_not_of_the_sets_type_is_one_line(site, capsys,
+                                                                    prefect_api):
+    """A string id in an int64 set's removal record went on into the run's changes file, and
+    every later index catch-up failed on it until a rebuild."""
+    record = site["out"] / "sets" / "mean" / "_removed" / "000002-s.json"
+    record.parent.mkdir(exist_ok=True)
+    record.write_text(json.dumps({"generation": 2, "ids": ["7"]}))
+    assert main(embed_args(site)) == 1
+    assert f"{record}: its ids are not the set's int64" in one_line_error(capsys, "embed")
+    assert not (site["out"] / "sets" / "mean" / "_changes" / "000002.json").exists()
+
+
+def test_a_part_whose_ids_are_not_the_sets_type_is_one_line(site, capsys, prefect_api):
+    """Every part of a set stores the set's id type; an int32 one among int64 ones failed an
+    index build with an Arrow traceback when its ids were joined to the others."""
+    folder = SetFolder(str(site["out"]), "mean")
+    url = folder.part_url(sorted(folder.read_markers())[-1])
+    table = pq.read_table(url)
+    pq.write_table(table.set_column(0, "id", table.column("id").cast(pa.int32())), url)
+    before = out_digest(site["out"])
+    assert main(["index", str(site["out"]), "--set", "mean"]) == 1
+    assert f"{url}: its ids are int32, not the set's int64" in one_line_error(capsys, "index")
+    assert out_digest(site["out"]) == before

@@ -133,15 +133,57 @@ def test_a_vectors_generation_the_hashes_cannot_hold_is_the_writers(tmp_path):
 
 
 def test_removal_records_merge_across_attempts_and_clear(tmp_path):
-    folder = SetFolder(str(tmp_path), "s")
-    folder.record_removed(2, "a", [1, 2])
-    folder.record_removed(2, "a", [2, 3])  # a rerun of the same generation
-    folder.record_removed(2, "b", ["x"])
-    folder.record_removed(3, "a", [9])
-    folder.record_removed(3, "a", [])
-    assert folder.removed_ids(2) == [1, 2, 3, "x"]
+    folder, int64 = SetFolder(str(tmp_path), "s"), pa.int64()
+    folder.record_removed(2, "a", pa.array([1, 2]))
+    folder.record_removed(2, "a", pa.array([2, 3]))  # a rerun of the same generation
+    folder.record_removed(2, "b", pa.array([7]))
+    folder.record_removed(3, "a", pa.array([9]))
+    folder.record_removed(3, "a", pa.array([], int64))
+    assert folder.removed_ids(2, int64) == [1, 2, 3, 7]
     folder.clear_removed(2)
-    assert folder.removed_ids(2) == [] and folder.removed_ids(3) == [9]
+    assert folder.removed_ids(2, int64) == [] and folder.removed_ids(3, int64) == [9]
+
+
+@pytest.mark.parametrize("ids, id_type", [
+    (["7"], "int64"), ([1.5], "int64"), ([True], "int64"), ([[1]], "int64"), ([None], "int64"),
+    ([2**63], "int64"), ([2**64], "uint64"), ([-1], "uint64"), ([3], "string"),
+    ([1, "a"], "string"),
+])
+def test_tampered_ids_in_removal_records_and_changes_files_are_one_line(tmp_path, ids,
+                                                                         id_type):
+    """They were trusted: a string id in an int64 set's removal record went on into its
+    changes file, where every index catch-up failed on it (a pyarrow traceback) until a
+    rebuild; a float was truncated to another row's id; a list was a TypeError."""
+    folder, kind = SetFolder(str(tmp_path), "s"), pa.type_for_alias(id_type)
+    removal = tmp_path / "sets" / "s" / "_removed" / "000002-a.json"
+    removal.parent.mkdir(parents=True)
+    removal.write_text(json.dumps({"generation": 2, "ids": ids}))
+    folder.write_changes(2, [], [])
+    changes = tmp_path / "sets" / "s" / "_changes" / "000002.json"
+    changes.write_text(json.dumps({"generation": 2, "parts": [], "deleted_ids": ids}))
+    for read, url in ((lambda: folder.removed_ids(2, kind), removal),
+                      (lambda: folder.read_changes(2, kind), changes)):
+        with pytest.raises(StorageError) as caught:
+            read()
+        message = str(caught.value)
+        assert message.startswith(f"{url}: its ids are not") and "\n" not in message
+
+
+@pytest.mark.parametrize("ids", [{"a": 1}, "12", None])
+def test_a_removal_record_whose_ids_are_no_list_is_one_line(tmp_path, ids):
+    removal = tmp_path / "sets" / "s" / "_removed" / "000002-a.json"
+    removal.parent.mkdir(parents=True)
+    removal.write_text(json.dumps({"generation": 2, "ids": ids}))
+    with pytest.raises(StorageError, match=f"^{removal}: its ids are not a list$"):
+        SetFolder(str(tmp_path), "s").removed_ids(2, pa.int64())
+
+
+def test_ids_of_the_sets_type_are_read_back_as_written(tmp_path):
+    folder = SetFolder(str(tmp_path), "s")
+    for kind, ids in ((pa.uint64(), [2**64 - 1, 0]), (pa.string(), ["a", "7"]),
+                      (pa.int32(), [-5, 2**31 - 1])):
+        folder.write_changes(2, [], ids)
+        assert folder.read_changes(2, kind).deleted_ids == ids
 
 
 def test_markers_round_trip_and_unreadable_ones_are_ignored(tmp_path):
@@ -181,9 +223,9 @@ def test_changes_file_layout(tmp_path):
     assert storage.read_json(url) == {
         "generation": 7, "parts": ["part-a.parquet", "part-b.parquet"], "deleted_ids": [3]
     }
-    changes = folder.read_changes(7)
+    changes = folder.read_changes(7, pa.int64())
     assert changes.parts == ["part-a.parquet", "part-b.parquet"] and changes.deleted_ids == [3]
-    assert folder.read_changes(8) is None
+    assert folder.read_changes(8, pa.int64()) is None
 
 
 # ---- names read from disk are validated before they become paths --------------------------
@@ -239,22 +281,22 @@ def test_a_changes_file_naming_a_path_outside_the_set_is_refused(tmp_path):
     folder.write_changes(1, ["part-a.parquet"], [])
     body = {"generation": 2, "parts": ["../x.parquet"], "deleted_ids": []}
     (tmp_path / "sets" / "s" / "_changes" / "000002.json").write_text(json.dumps(body))
-    assert folder.read_changes(1).parts == ["part-a.parquet"]
+    assert folder.read_changes(1, pa.int64()).parts == ["part-a.parquet"]
     with pytest.raises(StorageError, match=r"invalid file name '\.\./x\.parquet'"):
-        folder.read_changes(2)
+        folder.read_changes(2, pa.int64())
     with pytest.raises(StorageError, match="invalid file name"):
         folder.write_changes(3, ["../y.parquet"], [])
     (tmp_path / "sets" / "s" / "_changes" / "000004.json").write_text('{"parts": 3}')
     with pytest.raises(StorageError, match="is not a changes file"):
-        folder.read_changes(4)
+        folder.read_changes(4, pa.int64())
 
 
 def test_a_removal_record_with_a_foreign_name_is_refused(tmp_path):
     folder = SetFolder(str(tmp_path), "s")
-    folder.record_removed(1, "a", [1])
+    folder.record_removed(1, "a", pa.array([1]))
     (tmp_path / "sets" / "s" / "_removed" / "nodash.json").write_text('{"ids": [2]}')
     with pytest.raises(StorageError, match="not a removal record name"):
-        folder.removed_ids(1)
+        folder.removed_ids(1, pa.int64())
 
 
 # ---- invariants ------------------------------------------------------------------------------
@@ -292,16 +334,16 @@ def test_removal_records_equal_a_model_of_them(tmp_path_factory, ops, up_to):
     folder = SetFolder(str(tmp_path_factory.mktemp("out")), "s")
     model: dict[int, dict[str, list]] = {}
     for generation, shard, ids in ops:
-        folder.record_removed(generation, shard, ids)
+        folder.record_removed(generation, shard, pa.array(ids, pa.int64()))
         if ids:
             kept = model.setdefault(generation, {}).setdefault(shard, [])
             kept[:] = list(dict.fromkeys(kept + ids))
     for g in (1, 2, 3):
         expected = [i for shard in sorted(model.get(g, {})) for i in model[g][shard]]
-        assert folder.removed_ids(g) == list(dict.fromkeys(expected))
+        assert folder.removed_ids(g, pa.int64()) == list(dict.fromkeys(expected))
     folder.clear_removed(up_to)
     for g in (1, 2, 3):
-        assert (folder.removed_ids(g) == []) == (g <= up_to or g not in model)
+        assert (folder.removed_ids(g, pa.int64()) == []) == (g <= up_to or g not in model)
 
 
 # ---- polars reader ---------------------------------------------------------------------------

@@ -189,7 +189,7 @@ def _check_same_vectors(req: IndexRequest, info: SetMeta, current: store.IndexMe
 def _changes_since(out: str, info: SetMeta, since: int) -> list[SetChanges] | None:
     found = []
     for generation in range(since + 1, info.generation + 1):
-        change = SetFolder(out, info.name).read_changes(generation)
+        change = SetFolder(out, info.name).read_changes(generation, arrow_id_type(info.id_type))
         if change is None:
             return None
         found.append(change)

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import storage
+from pipeline.corpus import arrow_id_type
 from pipeline.errors import FingerprintError, StorageError
 from pipeline.sets import SetFolder, SetMeta
 from pipeline.vectors import unit_rows, vectors_of
@@ -42,7 +43,9 @@ class SetVectors:
         checked against its ``_SET.json``."""
         urls = (folder.part_urls() if names is None else
                 [folder.url_of(n) for n in names if storage.exists(folder.url_of(n))])
-        return cls([open_part(url, info.dim) for url in urls], info.dim, info.unit_search)
+        id_type = arrow_id_type(info.id_type)
+        parts = [open_part(url, info.dim, id_type) for url in urls]
+        return cls(parts, info.dim, info.unit_search)
 
     @property
     def rows(self) -> int:
@@ -82,12 +85,16 @@ class SetVectors:
         return unit_rows(vectors) if self.unit else vectors
 
 
-def open_part(url: str, dim: int) -> Part:
-    """A part's layout from its footer; a part of another shape is refused by name."""
+def open_part(url: str, dim: int, id_type: pa.DataType) -> Part:
+    """A part's layout from its footer; a part of another shape, or whose ids are not of the
+    set's ``id_type`` (every part of a set stores that one), is refused by name."""
     pf = storage.parquet_file(url)
     schema = pf.schema_arrow
     if "id" not in schema.names or "embedding" not in schema.names:
         raise StorageError(f"{url} is not a set part: it needs columns id and embedding")
+    if schema.field("id").type != id_type:
+        raise StorageError(f"{url}: its ids are {schema.field('id').type}, not the set's "
+                           f"{id_type}")
     kind = schema.field("embedding").type
     if not pa.types.is_fixed_size_list(kind) or kind.value_type != pa.float32():
         raise FingerprintError(f"{url}: embedding is {kind}, not fixed_size_list<float32>")
