@@ -265,7 +265,8 @@ def check_input(job: EmbedJob) -> None:
     do imports none): the corpus exists, is Parquet and has the id and text columns; a model
     the job names is a model folder here, or in the local Hugging Face cache (not checked for
     a Dask cluster, whose machines hold their own). Run before a flow starts, so bad input
-    fails in seconds. The poolers it names and the dtype, whose checks import torch, are
+    fails in seconds. The poolers it names, the dtype and max_length, whose checks import
+    torch, are
     checked here where the run will load the model anyway (a set is new, or was made by
     another job), before the run takes OUT's writer lease; else at the model's load, or by
     ``check_runs`` for a schedule."""
@@ -277,21 +278,30 @@ def check_input(job: EmbedJob) -> None:
     if job.encoder.model is not None and job.runner != "dask":
         resolve_model_dir(job.encoder.model)
     if job.poolers and needs_model(job):
-        check_poolers_and_dtype(job)
+        check_model_choices(job)
 
 
-def check_poolers_and_dtype(job: EmbedJob) -> None:
-    """Each set's pooler is a known one; the device, and the dtype on it, are there (where
-    this machine runs the job: not a Dask cluster's, whose machines may differ). Imports
-    torch."""
+def check_model_choices(job: EmbedJob) -> None:
+    """Each set's pooler is a known one; where this machine runs the job (not a Dask
+    cluster's, whose machines may differ and hold their own models), the device, the dtype
+    on it, and a ``max_length`` the model reads in a row (from its config: no weights
+    load). Imports torch."""
     from pipeline.poolers.base import pooler_class
 
     for spec in job.poolers:
         pooler_class(spec)
-    if job.runner != "dask":
-        from pipeline.precision import check_dtype, choose_device
+    if job.runner == "dask":
+        return
+    from pipeline.precision import check_dtype, choose_device
 
-        check_dtype(job.encoder.dtype, choose_device(job.encoder.device))
+    check_dtype(job.encoder.dtype, choose_device(job.encoder.device))
+    if job.encoder.max_length:
+        from pipeline.models import loader
+
+        files, trusted = loader.read_model_files(job.encoder.model), job.encoder.trust_remote_code
+        loader.refuse_remote_code(files, trusted)
+        loader.check_max_length(job.encoder.max_length, loader.load_config(files, trusted),
+                                files.folder)
 
 
 def check_runs(job: EmbedJob) -> None:
@@ -302,4 +312,4 @@ def check_runs(job: EmbedJob) -> None:
 
     spec = resolve_job(job_params(job))
     refuse_remote_code(read_model_files(spec.encoder.model), spec.encoder.trust_remote_code)
-    check_poolers_and_dtype(spec)
+    check_model_choices(spec)

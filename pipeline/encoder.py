@@ -337,15 +337,7 @@ class Encoder:
         config = self.model.config
         if not self.cfg.max_length:
             return int(loader.max_length(self.files, self.tokenizer, config))
-        usable = loader.usable_positions(config)
-        if self.cfg.max_length > usable:
-            skipped = loader.position_offset(config)
-            less = f" less the {skipped} its embeddings skip" if skipped else ""
-            raise ConfigError(
-                f"max_length {self.cfg.max_length} exceeds the {usable} tokens model "
-                f"{self.folder} reads in a row (its {loader.model_positions(config)} "
-                f"positions{less})"
-            )
+        loader.check_max_length(self.cfg.max_length, config, self.folder)
         return int(self.cfg.max_length)
 
     def _prompt(self, text: str, option: str) -> Prompt:

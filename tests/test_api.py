@@ -48,7 +48,7 @@ def test_import_embedpipe_is_cheap_and_documented():
         assert callable(getattr(embedpipe, name)) and getattr(embedpipe, name).__doc__
 
 
-def test_bad_input_fails_before_orchestration(tmp_path):
+def test_bad_input_fails_before_orchestration(tmp_path, tiny_model_dir):
     """Missing corpus, missing column, bad option: one line, exit 1, in seconds."""
     pq.write_table(pa.table({"id": [1, 2], "body": ["a", "b"]}), tmp_path / "c.parquet")
     out = str(tmp_path / "out")
@@ -66,6 +66,9 @@ def test_bad_input_fails_before_orchestration(tmp_path):
         "unknown pooler 'nosuch' for set 'nosuch'": ["embed", str(tmp_path / "c.parquet"), out,
                                                      "--text-column", "body", "--pooler",
                                                      "nosuch"],
+        "max_length 100000 exceeds the 128 tokens model": [
+            "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body", "--model",
+            str(tiny_model_dir), "--max-length", "100000"],
         "for runner 'dask', not 'threads'": ["embed", str(tmp_path / "c.parquet"), out,
                                              "--text-column", "body", "--dask-address",
                                              "tcp://127.0.0.1:1"],

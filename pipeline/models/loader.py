@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import ModelError
+from pipeline.errors import ConfigError, ModelError
 from pipeline.models.dense import load_dense, read_dense_config
 from pipeline.models.folder import is_sentence_transformers, resolve_model_dir
 from pipeline.models.hashing import model_hash
@@ -254,6 +254,18 @@ def max_length(files: ModelFiles, tokenizer: PreTrainedTokenizerFast, config: Mo
     if not files.sentence_transformers:
         limit = min(limit, PLAIN_MAX_LENGTH)
     return min(limit, usable_positions(config))
+
+
+def check_max_length(max_length: int, config: ModelConfig, folder: Path) -> None:
+    """A job's ``max_length`` fits the rows model ``folder`` reads; else one line."""
+    usable = usable_positions(config)
+    if max_length > usable:
+        skipped = position_offset(config)
+        less = f" less the {skipped} its embeddings skip" if skipped else ""
+        raise ConfigError(
+            f"max_length {max_length} exceeds the {usable} tokens model {folder} reads in a "
+            f"row (its {model_positions(config)} positions{less})"
+        )
 
 
 def usable_positions(config: ModelConfig) -> int:
