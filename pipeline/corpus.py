@@ -164,7 +164,8 @@ def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
     if pa.types.is_integer(dtype) or _is_text(dtype):
         return dtype
     raise CorpusError(
-        f"id column {column!r} of {file_url} is {dtype}; ids must be integers or strings"
+        f"id column {column!r} of {file_url} is {dtype}; ids must be integers or strings "
+        "stored as string or large_string: cast the column to one of them"
     )
 
 

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from pipeline import storage
 from pipeline.corpus import arrow_id_type
@@ -122,6 +122,12 @@ class SetMeta(BaseModel):
         return self.similarity == "cosine" and not self.normalize
 
 
+# Rows a marker may count: a file's rows fit in 2**53, so every count sums exactly as floats
+# (Prefect's artifacts, JSON readers) read it; a marker counting more, or fewer than none, is
+# not one and its shard is redone.
+Count = Annotated[int, Field(ge=0, le=2**53)]
+
+
 class ShardMarker(BaseModel):
     """``_done/<shard>.json``: the shard's part (if it has rows) and hashes are complete."""
 
@@ -129,15 +135,15 @@ class ShardMarker(BaseModel):
 
     shard: str
     file: str
-    first_group: int
-    end_group: int
+    first_group: NonNegativeInt
+    end_group: NonNegativeInt
     signature: str
     # the shard's content digest (``pipeline.shards.Shard.content``); None: written before
     # markers kept it (the signature alone is then compared)
     content: str | None = None
-    rows: int
-    skipped: dict[str, int] = {}
-    generation: int  # the generation that last wrote the part
+    rows: Count
+    skipped: dict[str, Count] = {}
+    generation: NonNegativeInt  # the generation that last wrote the part
 
 
 def _marker(raw: bytes) -> ShardMarker | None:

@@ -212,6 +212,11 @@ def test_unusable_corpora_fail_with_one_line(tmp_path):
     write_corpus(tmp_path / "f" / "a.parquet", [1.5], ["x"])
     with pytest.raises(CorpusError, match="ids must be integers or strings"):
         describe(str(tmp_path / "f"), "id", "text")
+    view = pa.table({"id": pa.array(["a"], pa.string_view()), "text": ["x"]})
+    pq.write_table(view, tmp_path / "v.parquet")
+    with pytest.raises(CorpusError, match="is string_view; ids must be integers or strings "
+                       "stored as string or large_string: cast the column"):
+        describe(str(tmp_path / "v.parquet"), "id", "text")
     write_corpus(tmp_path / "m" / "a.parquet", [1], ["x"])
     write_corpus(tmp_path / "m" / "b.parquet", ["1"], ["x"])
     with pytest.raises(CorpusError, match="different types across files"):

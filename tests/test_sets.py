@@ -197,6 +197,20 @@ def test_markers_round_trip_and_unreadable_ones_are_ignored(tmp_path):
     assert folder.read_markers() == {}
 
 
+@pytest.mark.parametrize("change", [{"rows": -1}, {"rows": 2**60}, {"skipped": {"x": -3}},
+                                    {"generation": -2}, {"first_group": -1}])
+def test_a_marker_counting_impossible_rows_is_not_one(tmp_path, change):
+    """A tampered marker's count went into _SET.json's rows_written and every summary (a
+    negative or 2**60 rows); now it is no marker, so its shard is redone."""
+    folder = SetFolder(str(tmp_path), "s")
+    marker = ShardMarker(shard="a", file="f", first_group=0, end_group=2, signature="x",
+                         rows=5, generation=1)
+    folder.write_marker(marker)
+    url = tmp_path / "sets" / "s" / "_done" / "a.json"
+    url.write_text(json.dumps(json.loads(url.read_text()) | change))
+    assert folder.read_markers() == {}
+
+
 def test_a_marker_the_store_fails_to_read_is_an_error_not_a_missing_shard(tmp_path,
                                                                            monkeypatch):
     folder = SetFolder(str(tmp_path), "s")
