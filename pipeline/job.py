@@ -44,7 +44,9 @@ class SetWork(BaseModel):
 
     name: str
     previous: list[str] = []
-    moved: list[str] = []  # the run's shards whose rows may have moved (``pipeline.reuse``)
+    # digest of the run's list of shards whose rows may have moved (``SetFolder.write_moved``,
+    # ``pipeline.reuse``); "": none
+    moved: str = ""
     dim: int  # the set's vector width, as claimed: what is reused must have it
     prior: ShardMarker | None = None
     fingerprint: str | None = None  # the set's, as claimed: the worker's model must make it

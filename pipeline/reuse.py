@@ -30,7 +30,7 @@ class StoredVectors:
     """The vectors of one set that a shard may reuse, numbered in the order they were read."""
 
     def __init__(self, out: str, name: str, dim: int, previous: list[str],
-                 moved: list[str] = (), generation: int = 0, shard_rows: int = 0) -> None:
+                 moved: str = "", generation: int = 0, shard_rows: int = 0) -> None:
         self.folder = SetFolder(out, name)
         self.dim = dim  # the set's (``_SET.json``, as the run claimed it): what is stored must be
         self._blocks: list[np.ndarray] = []
@@ -43,8 +43,9 @@ class StoredVectors:
             found = self._read_part(shard)
             if found is not None:
                 self._add(*found)
-        self._moved = list(moved)  # the run's whole list: one cache entry for every shard
-        self._spent = {i for i, s in enumerate(self._moved) if s in set(previous)}
+        self._moved = moved  # the digest of the run's list (``SetFolder.write_moved``)
+        self._previous = set(previous)  # read above: never again as moved-from ones
+        self._spent: set[int] = set()  # moved-from shards (by index) taken in whole
         self._generation = generation
         self._budget = ABSORB_PER_ROW * shard_rows
         self._spent_files: set[str] = set()  # leftover files taken in whole
@@ -155,16 +156,16 @@ class StoredVectors:
 
     def _take_parts(self, wanted: pl.DataFrame) -> bool:
         """Rows of ``wanted`` in the parts of the run's moved-from shards."""
-        known = _moved_keys(self.folder, self._moved, self._generation)
+        shards, known = _moved_keys(self.folder, self._generation, self._moved)
         if known is None:
             return False
         hits = wanted.join(known, on=["id", "hash"])
         taken = False
         for index in hits["shard"].unique().sort().to_list():
-            if index in self._spent:
+            if index in self._spent or shards[index] in self._previous:
                 continue
             whole = self._budget > 0
-            found = self._read_moved(self._moved[index], None if whole else wanted)
+            found = self._read_moved(shards[index], None if whole else wanted)
             if whole:  # taken in whole (or unusable): never read again
                 self._spent.add(index)
             if found is None:
@@ -225,28 +226,31 @@ def _columns(keys: pl.DataFrame) -> tuple[pa.Array, np.ndarray]:
 
 # ---- the keys of the shards rows may have moved from, once per run and process -------------
 
-_MOVED: dict[tuple[str, str], tuple[tuple, pl.DataFrame | None]] = {}
+_Moved = tuple[list[str], pl.DataFrame | None]
+_MOVED: dict[tuple[str, str], tuple[tuple[int, str], _Moved]] = {}
 _MOVED_SETS = 8  # sets whose keys a process keeps (a long-lived worker serves many runs)
 _MOVED_LOCK = threading.Lock()
 
 
-def _moved_keys(folder: SetFolder, shards: list[str], generation: int) -> pl.DataFrame | None:
-    """(id, hash, shard) of every row ``shards`` held when first asked in this run (None if
-    none): ``shard`` is the index in ``shards`` (a stale answer only misses: each part is read
-    again before its rows are taken)."""
-    key = (tuple(shards), generation)
+def _moved_keys(folder: SetFolder, generation: int, digest: str) -> _Moved:
+    """The run's moved-from shards (``SetFolder.read_moved``) and the (id, hash, shard) of
+    every row they held when first asked in this run (None if none): ``shard`` is the index
+    in the list (a stale answer only misses: each part is read again before its rows are
+    taken)."""
+    key = (generation, digest)
     with _MOVED_LOCK:
         cached = _MOVED.get((folder.out, folder.name))
         if cached is not None and cached[0] == key:
             return cached[1]
+        shards = folder.read_moved(generation, digest)
         frames = []
         for index, shard in enumerate(shards):
             stored = folder.read_hashes(shard)
             if len(stored.ids):
                 frames.append(_keys(stored.ids, stored.hashes)
                               .with_columns(shard=pl.lit(index, pl.Int32)))
-        known = pl.concat(frames) if frames else None
+        found = (shards, pl.concat(frames) if frames else None)
         if len(_MOVED) >= _MOVED_SETS:
             _MOVED.clear()
-        _MOVED[(folder.out, folder.name)] = (key, known)
-        return known
+        _MOVED[(folder.out, folder.name)] = (key, found)
+        return found

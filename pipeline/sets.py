@@ -15,6 +15,8 @@ Layout (readers take the parts whose shard has a marker, ``_SET.json`` and ``_ch
     _removed/<gen>-<shard>.parquet  id, hash, embedding, born of the stored rows that left the shard
                                 in that generation: another shard of the run may receive them
                                 (rows reordered or moved between files); gone at the run's end
+    _moved/<generation>.json    the done shards whose rows may have moved in that run (named
+                                once, not in every shard's request); gone at the run's end
 
 A shard counts as done only through its marker, and the marker is written last, so a crash
 at any point leaves either a complete shard or one that the next run redoes; readers see the
@@ -22,13 +24,14 @@ parts of done shards only, and a run retires a part left without its marker once
 left the plan.
 
 Nothing read from the folder is trusted: the set name (argument and ``_SET.json``), shard ids
-(markers, ``_removed`` files) and part names (``_changes``) are validated by
+(markers, ``_removed`` and ``_moved`` files) and part names (``_changes``) are validated by
 ``pipeline.names`` before they become a path, so no file in OUT can address a path outside it.
 Every write goes through ``pipeline.storage`` and is atomic.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Iterable
 from typing import Annotated, NamedTuple
@@ -221,6 +224,11 @@ def stored_ids(values: object, id_type: pa.DataType, where: str) -> pa.Array:
     except (pa.ArrowException, OverflowError):
         raise StorageError(f"{where}: its ids are not the set's {id_type} (one is out of its "
                            "range)") from None
+
+
+def moved_digest(shards: list[str]) -> str:
+    """A digest of a list of shard ids (``SetFolder.write_moved``)."""
+    return hashlib.sha256("\n".join(shards).encode()).hexdigest()[:16]
 
 
 def part_name(shard: str) -> str:
@@ -560,11 +568,47 @@ class SetFolder:
         return list(dict.fromkeys(found))
 
     def clear_removed(self, up_to: int) -> None:
-        """Forget removal records (and leftovers) of generations already written to a
-        changes file."""
+        """Forget removal records (and leftovers, and moved-from lists) of generations
+        already written to a changes file."""
         for g, url in self._removed_records() + self._removed_records(".parquet"):
             if g <= up_to:
                 storage.remove(url)
+        for url in storage.list_files(self._at("_moved"), ".json"):
+            generation = url.rsplit("/", 1)[-1][:-len(".json")]
+            if not generation.isdigit() or int(generation) <= up_to:
+                storage.remove(url)
+
+    # ---- the shards rows may have moved from, named once per run ---------------------------
+
+    def _moved_url(self, generation: int) -> str:
+        return self._at("_moved", f"{generation:06d}.json")
+
+    def write_moved(self, generation: int, shards: list[str]) -> str:
+        """Name the done shards whose rows may have moved in ``generation``'s run
+        (``pipeline.reuse``), once for all its shards; returns the list's digest, which a
+        shard's request carries ("" where none: any earlier list of the generation goes)."""
+        url = self._moved_url(generation)
+        if not shards:
+            storage.remove(url)
+            return ""
+        for shard in shards:
+            file_name(shard, "a shard id")
+        storage.write_json(url, {"generation": generation, "shards": shards})
+        return moved_digest(shards)
+
+    def read_moved(self, generation: int, digest: str) -> list[str]:
+        """The list ``write_moved`` named for ``generation``: its names checked, and its
+        digest the one the run planned with."""
+        url = self._moved_url(generation)
+        shards = storage.read_json(url).get("shards")
+        if not (isinstance(shards, list) and all(isinstance(s, str) for s in shards)):
+            raise StorageError(f"{url} needs a list of shard ids 'shards'")
+        for shard in shards:
+            file_name(shard, url)
+        if moved_digest(shards) != digest:
+            raise StorageError(f"{url} is not the list of moved-from shards this run planned "
+                               "with: it changed since; rerun")
+        return shards
 
     def changes_url(self, generation: int) -> str:
         return self._at("_changes", f"{generation:06d}.json")

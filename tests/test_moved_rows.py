@@ -52,6 +52,35 @@ def test_rows_reordered_across_the_shards_of_a_file_are_not_embedded_again(
     assert (summary.embedded, summary.reused, summary.removed) == (0, 100, 0)
     assert _same(read_set(tmp_path / "out", "mean"), before)
     assert not list((tmp_path / "out" / "sets" / "mean" / "_removed").glob("*"))
+    assert not list((tmp_path / "out" / "sets" / "mean" / "_moved").glob("*"))
+
+
+def test_the_moved_from_shards_are_named_once_not_in_every_request(tmp_path, tiny_model_dir):
+    """Every shard's request carried the run's whole list: after a compaction of a corpus of
+    N shards, N requests of N names each (8,000 shards: 288 KB a request, 2.3 GB in all for
+    a process or Dask runner). Now the list is one file, and a request holds its digest."""
+    from pipeline.config import EmbedJob
+    from pipeline.embedder import get_embedder
+    from pipeline.run import prepare
+
+    spec, _ = _first_run(tmp_path, tiny_model_dir)
+    shuffled = ROWS[:]
+    random.Random(1).shuffle(shuffled)
+    _write(tmp_path / "c" / "a.parquet", shuffled)
+    parsed = EmbedJob.model_validate(spec)
+    plan = prepare(parsed, lambda: get_embedder(parsed.encoder, parsed.poolers), verify=True)
+    folder = SetFolder(str(tmp_path / "out"), "mean")
+    shards = sorted(folder.read_markers())
+    [digest] = {work.moved for request in plan.requests for work in request.sets}
+    assert len(plan.requests) == len(shards) == 5 and len(digest) == 16
+    assert folder.read_moved(2, digest) == shards
+    listed = tmp_path / "out" / "sets" / "mean" / "_moved" / "000002.json"
+    listed.write_text(listed.read_text().replace(shards[0], "../../../x"))
+    with pytest.raises(StorageError, match=r"file name '(\.\./){3}x' in .*_moved/000002.json"):
+        folder.read_moved(2, digest)
+    listed.write_text(listed.read_text().replace("../../../x", shards[1]))
+    with pytest.raises(StorageError, match="is not the list of moved-from shards this run"):
+        folder.read_moved(2, digest)
 
 
 def test_a_renamed_file_and_rows_moved_between_files_keep_their_vectors(tmp_path,
@@ -86,10 +115,12 @@ def test_a_moved_from_part_is_not_read_once_its_marker_changed(tmp_path, tiny_mo
     markers = folder.read_markers()
     [shard] = [s for s in markers if s.endswith("g00002-00004")]
     ids, hashes, _, _ = folder.read_hashes(shard)
-    stored = StoredVectors(folder.out, "mean", 32, [], [shard], generation=2, shard_rows=20)
+    moved = folder.write_moved(2, [shard])
+    stored = StoredVectors(folder.out, "mean", 32, [], moved, generation=2, shard_rows=20)
     assert (stored.lookup(ids, hashes) >= 0).all()
     folder.remove_marker(shard)
-    fresh = StoredVectors(folder.out, "mean", 32, [], [shard], generation=3, shard_rows=20)
+    moved = folder.write_moved(3, [shard])
+    fresh = StoredVectors(folder.out, "mean", 32, [], moved, generation=3, shard_rows=20)
     assert (fresh.lookup(ids, hashes) == -1).all()
 
 
@@ -105,8 +136,8 @@ def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir, first)
     _first_run(tmp_path, tiny_model_dir)
     folder = SetFolder(str(tmp_path / "out"), "mean")
     shard = sorted(folder.read_markers())[0]
-    stored = StoredVectors(folder.out, "mean", 32, [] if first else [shard], ["gone"],
-                           generation=2, shard_rows=20)
+    stored = StoredVectors(folder.out, "mean", 32, [] if first else [shard],
+                           folder.write_moved(2, ["gone"]), generation=2, shard_rows=20)
     folder.write_leftovers(2, "other", _keys(pa.array([500])), np.zeros((1, 5), np.float32))
     with pytest.raises(StorageError, match="vectors of 5 dimensions in a set of 32"):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))
@@ -115,7 +146,8 @@ def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir, first)
 def test_leftovers_of_another_shape_are_one_line(tmp_path, tiny_model_dir):
     _first_run(tmp_path, tiny_model_dir)
     folder = SetFolder(str(tmp_path / "out"), "mean")
-    stored = StoredVectors(folder.out, "mean", 32, [], ["gone"], generation=2, shard_rows=20)
+    stored = StoredVectors(folder.out, "mean", 32, [], folder.write_moved(2, ["gone"]),
+                           generation=2, shard_rows=20)
     url = tmp_path / "out" / "sets" / "mean" / "_removed" / "000002-other.parquet"
     url.parent.mkdir()
     pq.write_table(pa.table({"id": [500], "hash": ["x"]}), url)
@@ -142,7 +174,8 @@ def test_past_its_budget_a_shard_reads_the_vectors_of_leftovers_holding_its_rows
         return read(url, generation, vectors)
 
     monkeypatch.setattr(SetFolder, "read_leftovers", staticmethod(counted))
-    stored = StoredVectors(folder.out, "mean", 32, [], ["gone"], generation=2, shard_rows=0)
+    stored = StoredVectors(folder.out, "mean", 32, [], folder.write_moved(2, ["gone"]),
+                           generation=2, shard_rows=0)
     for row in (500, 700, 600):
         stored.lookup(pa.array([row]), np.array([7], np.uint64))
     assert reads == [("a.parquet", False), ("a.parquet", True), ("b.parquet", False),

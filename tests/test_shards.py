@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.shards import FileLayout, plan_shards, shard_id
+from pipeline.shards import FileLayout, Shard, plan_shards, shard_id
 
 group_sizes = st.lists(st.integers(min_value=0, max_value=50), min_size=0, max_size=30)
 corpora = st.dictionaries(
@@ -83,3 +83,27 @@ def test_signature_tracks_group_sizes():
     one = plan_shards([FileLayout(name="a", url="a", group_rows=(4,), group_bytes=(100,))], 10)
     two = plan_shards([FileLayout(name="a", url="a", group_rows=(4,), group_bytes=(101,))], 10)
     assert one[0].id == two[0].id and one[0].signature != two[0].signature
+
+
+RANGES = st.lists(st.tuples(st.sampled_from("ab"), st.integers(0, 30), st.integers(1, 12)),
+                  max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(markers=RANGES, shards=RANGES)
+def test_a_shards_overlapping_markers_are_those_a_scan_of_all_finds(markers, shards):
+    """``MarkerRanges`` (bisection) finds exactly the markers a scan of every one finds, for
+    overlapping markers of any widths (left by runs of other --rows-per-shard)."""
+    from pipeline.run import MarkerRanges
+    from pipeline.sets import ShardMarker
+
+    found = {f"m{i}": ShardMarker(shard=f"m{i}", file=file, first_group=first,
+                                  end_group=first + width, signature="s", rows=1, generation=1)
+             for i, (file, first, width) in enumerate(markers)}
+    ranges = MarkerRanges(found)
+    for file, first, width in shards:
+        shard = Shard(id="s", file=file, url=file, first_group=first, end_group=first + width,
+                      offset=0, rows=1, signature="s")
+        scan = sorted(m.shard for m in found.values()
+                      if shard.overlaps(m.file, m.first_group, m.end_group))
+        assert ranges.overlapping(shard) == scan
