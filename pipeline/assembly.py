@@ -296,12 +296,23 @@ def check_model_choices(job: EmbedJob) -> None:
 
     check_dtype(job.encoder.dtype, choose_device(job.encoder.device))
     if job.encoder.max_length:
-        from pipeline.models import loader
+        _check_max_length(job)
 
-        files, trusted = loader.read_model_files(job.encoder.model), job.encoder.trust_remote_code
-        loader.refuse_remote_code(files, trusted)
-        loader.check_max_length(job.encoder.max_length, loader.load_config(files, trusted),
-                                files.folder)
+
+def _check_max_length(job: EmbedJob) -> None:
+    """``max_length`` against the model's config: the recorded one where a run recorded it
+    (transformers not imported), else read and recorded for the run's own model load."""
+    from pipeline.errors import ModelError
+    from pipeline.models import loader, recorded
+
+    files, trusted = loader.read_model_files(job.encoder.model), job.encoder.trust_remote_code
+    loader.refuse_remote_code(files, trusted)
+    try:
+        config, _ = recorded.load(files, files.model_hash(), trusted)
+    except (OSError, ValueError, KeyError) as exc:  # as the encoder's load says it
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"cannot load an encoder from {files.folder}: {first}") from None
+    loader.check_max_length(job.encoder.max_length, config, files.folder)
 
 
 def check_runs(job: EmbedJob) -> None:

@@ -221,9 +221,9 @@ def stored_ids(values: object, id_type: pa.DataType, where: str) -> pa.Array:
                            f"{type(odd).__name__})")
     try:
         return pa.array(values, id_type)
-    except (pa.ArrowException, OverflowError):
+    except (pa.ArrowException, OverflowError, UnicodeError):
         raise StorageError(f"{where}: its ids are not the set's {id_type} (one is out of its "
-                           "range)") from None
+                           "range, or not text)") from None
 
 
 def moved_digest(shards: list[str]) -> str:
@@ -557,7 +557,10 @@ class SetFolder:
 
     @staticmethod
     def _removed_record(url: str, id_type: pa.DataType) -> list:
-        return stored_ids(storage.read_json(url).get("ids"), id_type, url).to_pylist()
+        record = storage.read_json(url)
+        if not isinstance(record, dict):
+            raise StorageError(f"{url}: not a removal record (a JSON object with 'ids')")
+        return stored_ids(record.get("ids"), id_type, url).to_pylist()
 
     def removed_ids(self, generation: int, id_type: pa.DataType) -> list:
         """The ids ``generation`` removed from the set's shards, as ``id_type``'s values."""
@@ -600,7 +603,8 @@ class SetFolder:
         """The list ``write_moved`` named for ``generation``: its names checked, and its
         digest the one the run planned with."""
         url = self._moved_url(generation)
-        shards = storage.read_json(url).get("shards")
+        listed = storage.read_json(url)
+        shards = listed.get("shards") if isinstance(listed, dict) else None
         if not (isinstance(shards, list) and all(isinstance(s, str) for s in shards)):
             raise StorageError(f"{url} needs a list of shard ids 'shards'")
         for shard in shards:

@@ -281,19 +281,29 @@ def remove_stale_temporaries(url: str, older_than: float) -> int:
 
 
 def refuse_linked_folders(url: str) -> None:
-    """A writer writes and removes files only inside local folder ``url``: a folder below it
-    that is a symbolic link (``OUT/index/<set>`` linked elsewhere) would take its writes, and
-    its pruning, outside. One line naming the first such link; ``url`` itself may be one."""
+    """A writer writes and removes files only inside local OUT ``url``: a folder of those it
+    writes in (``WRITTEN_FOLDERS`` and below) that is a symbolic link (``OUT/index/<set>``
+    linked elsewhere) would take its writes, and its pruning, outside. One line naming the
+    first such link; ``url`` itself may be one, and other folders of it are left alone."""
     if is_remote(url):
         return
+    root = url.removeprefix("file://")
     with explained(url, "check"):
-        for folder, dirs, _ in os.walk(url.removeprefix("file://")):
-            for name in dirs:
-                path = os.path.join(folder, name)
-                if os.path.islink(path):
-                    raise StorageError(
-                        f"{path!r} is a symbolic link to {os.readlink(path)!r}: a writer writes "
-                        f"and removes files only inside {url}; put the folder itself there")
+        for top in WRITTEN_FOLDERS:
+            _refuse_link(os.path.join(root, top), url)
+            for folder, dirs, _ in os.walk(os.path.join(root, top)):
+                for name in dirs:
+                    _refuse_link(os.path.join(folder, name), url)
+
+
+WRITTEN_FOLDERS = ("sets", "index", "_quarantine")  # of an OUT: what writers write and prune
+
+
+def _refuse_link(path: str, out: str) -> None:
+    if os.path.islink(path):
+        raise StorageError(f"{path!r} is a symbolic link to {os.readlink(path)!r}: a writer "
+                           f"writes and removes files only inside {out}; put the folder "
+                           "itself there")
 
 
 def _remove_if_older(path: str, is_dir: bool, cutoff: float) -> int:
@@ -346,8 +356,9 @@ def read_json(url: str) -> dict:
     raw = read_bytes(url)
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StorageError(f"{url} is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, an int of 5,000 digits
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise StorageError(f"{url} is not valid JSON: {reason}") from None
 
 
 def read_model(url: str, model: type[M], what: str) -> M | None:

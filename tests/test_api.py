@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,6 +49,15 @@ def test_import_embedpipe_is_cheap_and_documented():
         assert callable(getattr(embedpipe, name)) and getattr(embedpipe, name).__doc__
 
 
+def _unreadable_model(model: Path, tmp_path: Path) -> Path:
+    """A copy of ``model`` whose config names a model type transformers does not know."""
+    copy = tmp_path / "unknown-model"
+    shutil.copytree(model, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"model_type": "nosuchtype"}))
+    return copy
+
+
 def test_bad_input_fails_before_orchestration(tmp_path, tiny_model_dir):
     """Missing corpus, missing column, bad option: one line, exit 1, in seconds."""
     pq.write_table(pa.table({"id": [1, 2], "body": ["a", "b"]}), tmp_path / "c.parquet")
@@ -69,6 +79,9 @@ def test_bad_input_fails_before_orchestration(tmp_path, tiny_model_dir):
         "max_length 100000 exceeds the 128 tokens model": [
             "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body", "--model",
             str(tiny_model_dir), "--max-length", "100000"],
+        "cannot load an encoder from": [
+            "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body", "--model",
+            str(_unreadable_model(tiny_model_dir, tmp_path)), "--max-length", "64"],
         "for runner 'dask', not 'threads'": ["embed", str(tmp_path / "c.parquet"), out,
                                              "--text-column", "body", "--dask-address",
                                              "tcp://127.0.0.1:1"],

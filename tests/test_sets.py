@@ -169,6 +169,24 @@ def test_tampered_ids_in_removal_records_and_changes_files_are_one_line(tmp_path
         assert message.startswith(f"{url}: its ids are not") and "\n" not in message
 
 
+@pytest.mark.parametrize("body, reason", [
+    ("[7]", "not a removal record"),
+    ('{"ids": [' + "9" * 5000 + "]}", "is not valid JSON: Exceeds the limit"),
+    ("[" * 100_000 + "]" * 100_000, "is not valid JSON"),
+    ('{"ids": ["\\ud800"]}', "its ids are not the set's string"),
+], ids=["a-list", "a-huge-int", "deep", "a-surrogate"])
+def test_removal_records_json_cannot_parse_to_ids_are_one_line(tmp_path, body, reason):
+    """Each was a traceback (found by an adversarial review): a record that is a JSON list
+    (AttributeError), an int of 5,000 digits (ValueError), nesting past the recursion limit,
+    a lone surrogate in a string id (UnicodeEncodeError)."""
+    removal = tmp_path / "sets" / "s" / "_removed" / "000002-a.json"
+    removal.parent.mkdir(parents=True)
+    removal.write_text(body)
+    with pytest.raises(StorageError) as caught:
+        SetFolder(str(tmp_path), "s").removed_ids(2, pa.string())
+    assert reason in str(caught.value) and "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("ids", [{"a": 1}, "12", None])
 def test_a_removal_record_whose_ids_are_no_list_is_one_line(tmp_path, ids):
     removal = tmp_path / "sets" / "s" / "_removed" / "000002-a.json"

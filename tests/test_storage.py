@@ -452,3 +452,15 @@ def test_changed_credentials_take_effect_without_restart(s3_server, s3_bucket, m
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     assert storage.read_bytes(url) == b"1"
+
+
+def test_only_linked_folders_writers_write_in_are_refused(tmp_path):
+    """A link a writer never writes through (notes kept beside the sets) is the user's."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    (out / "sets" / "mean").mkdir(parents=True)
+    elsewhere.mkdir()
+    (out / "notes").symlink_to(elsewhere, target_is_directory=True)
+    storage.refuse_linked_folders(str(out))
+    (out / "sets" / "mean" / "_done").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(StorageError, match=r"_done' is a symbolic link to"):
+        storage.refuse_linked_folders(str(out))
