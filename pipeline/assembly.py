@@ -266,10 +266,9 @@ def check_input(job: EmbedJob) -> None:
     the job names is a model folder here, or in the local Hugging Face cache (not checked for
     a Dask cluster, whose machines hold their own). Run before a flow starts, so bad input
     fails in seconds. The poolers it names, the dtype and max_length, whose checks import
-    torch, are
-    checked here where the run will load the model anyway (a set is new, or was made by
-    another job), before the run takes OUT's writer lease; else at the model's load, or by
-    ``check_runs`` for a schedule."""
+    torch, are checked here where the run will load the model anyway (a set is new, or was
+    made by another job), before the run takes OUT's writer lease; else at the model's load,
+    or by ``check_runs`` for a schedule."""
     from pipeline.corpus import describe
     from pipeline.models.folder import resolve_model_dir
     from pipeline.run import needs_model
@@ -302,7 +301,6 @@ def check_model_choices(job: EmbedJob) -> None:
 def _check_max_length(job: EmbedJob) -> None:
     """``max_length`` against the model's config: the recorded one where a run recorded it
     (transformers not imported), else read and recorded for the run's own model load."""
-    from pipeline.errors import ModelError
     from pipeline.models import loader, recorded
 
     files, trusted = loader.read_model_files(job.encoder.model), job.encoder.trust_remote_code
@@ -310,8 +308,7 @@ def _check_max_length(job: EmbedJob) -> None:
     try:
         config, _ = recorded.load(files, files.model_hash(), trusted)
     except (OSError, ValueError, KeyError) as exc:  # as the encoder's load says it
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"cannot load an encoder from {files.folder}: {first}") from None
+        raise loader.load_failed(files.folder, exc) from None
     loader.check_max_length(job.encoder.max_length, config, files.folder)
 
 

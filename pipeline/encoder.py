@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline import first_token_attention, text_heads
 from pipeline.config import EncoderConfig, resolve_layer
-from pipeline.errors import ConfigError, ModelError
+from pipeline.errors import ConfigError
 from pipeline.first_token_attention import FirstTokenAttention
 from pipeline.int8_linear import calibration_batches
 from pipeline.models import loader, recorded
@@ -114,8 +114,7 @@ class Encoder:
         except ConfigError:
             raise
         except (OSError, ValueError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelError(f"cannot load an encoder from {self.folder}: {first}") from None
+            raise loader.load_failed(self.folder, exc) from None
         # SDPA kernels the forward may use: "by_width" (a GPU: NARROW_SDPA for batches under
         # CUDNN_MIN_WIDTH tokens, torch's own order above), None (torch's order) or a list
         self.sdpa_backends: str | list | None = "by_width" if self.device.type == "cuda" else None

@@ -31,7 +31,6 @@ Every write goes through ``pipeline.storage`` and is atomic.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Iterable
 from typing import Annotated, NamedTuple
@@ -42,6 +41,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from pipeline import storage
+from pipeline.config import stable_hash
 from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.models.hashing import int8_hint
@@ -208,6 +208,23 @@ class SetChanges(BaseModel):
     deleted_ids: list
 
 
+class RemovalRecord(BaseModel):
+    """``_removed/<generation>-<shard>.json`` (its ids are checked by ``stored_ids``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    ids: object = None
+
+
+class MovedShards(BaseModel):
+    """``_moved/<generation>.json``: the done shards whose rows may have moved in that run."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    generation: int
+    shards: list[str]
+
+
 def stored_ids(values: object, id_type: pa.DataType, where: str) -> pa.Array:
     """Ids read from a JSON file (a removal record, a changes file) as an array of the set's
     ``id_type``: a list of integers in its range, or of strings; anything else (a float
@@ -215,20 +232,14 @@ def stored_ids(values: object, id_type: pa.DataType, where: str) -> pa.Array:
     if not isinstance(values, list):
         raise StorageError(f"{where}: its ids are not a list")
     kind = int if pa.types.is_integer(id_type) else str
-    odd = next((v for v in values if type(v) is not kind), None)
-    if odd is not None or None in values:
-        raise StorageError(f"{where}: its ids are not the set's {id_type} (one is "
-                           f"{type(odd).__name__})")
+    odd = [type(v).__name__ for v in values if type(v) is not kind][:1]
+    if odd:
+        raise StorageError(f"{where}: its ids are not the set's {id_type} (one is {odd[0]})")
     try:
         return pa.array(values, id_type)
     except (pa.ArrowException, OverflowError, UnicodeError):
         raise StorageError(f"{where}: its ids are not the set's {id_type} (one is out of its "
                            "range, or not text)") from None
-
-
-def moved_digest(shards: list[str]) -> str:
-    """A digest of a list of shard ids (``SetFolder.write_moved``)."""
-    return hashlib.sha256("\n".join(shards).encode()).hexdigest()[:16]
 
 
 def part_name(shard: str) -> str:
@@ -557,10 +568,8 @@ class SetFolder:
 
     @staticmethod
     def _removed_record(url: str, id_type: pa.DataType) -> list:
-        record = storage.read_json(url)
-        if not isinstance(record, dict):
-            raise StorageError(f"{url}: not a removal record (a JSON object with 'ids')")
-        return stored_ids(record.get("ids"), id_type, url).to_pylist()
+        record = storage.read_model(url, RemovalRecord, "a removal record")
+        return stored_ids(record.ids if record else [], id_type, url).to_pylist()
 
     def removed_ids(self, generation: int, id_type: pa.DataType) -> list:
         """The ids ``generation`` removed from the set's shards, as ``id_type``'s values."""
@@ -596,20 +605,18 @@ class SetFolder:
             return ""
         for shard in shards:
             file_name(shard, "a shard id")
-        storage.write_json(url, {"generation": generation, "shards": shards})
-        return moved_digest(shards)
+        storage.write_json(url, MovedShards(generation=generation, shards=shards).model_dump())
+        return stable_hash(shards)
 
     def read_moved(self, generation: int, digest: str) -> list[str]:
         """The list ``write_moved`` named for ``generation``: its names checked, and its
         digest the one the run planned with."""
         url = self._moved_url(generation)
-        listed = storage.read_json(url)
-        shards = listed.get("shards") if isinstance(listed, dict) else None
-        if not (isinstance(shards, list) and all(isinstance(s, str) for s in shards)):
-            raise StorageError(f"{url} needs a list of shard ids 'shards'")
+        listed = storage.read_model(url, MovedShards, "a list of moved-from shards")
+        shards = listed.shards if listed else []
         for shard in shards:
             file_name(shard, url)
-        if moved_digest(shards) != digest:
+        if stable_hash(shards) != digest:
             raise StorageError(f"{url} is not the list of moved-from shards this run planned "
                                "with: it changed since; rerun")
         return shards

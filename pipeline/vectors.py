@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipeline.errors import StorageError
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
@@ -38,12 +40,6 @@ def vectors_of(column: pa.Array | pa.ChunkedArray, where: str, dim: int | None =
     if hasattr(column, "combine_chunks"):
         column = column.combine_chunks()
     if column.null_count:
-        raise _null_rows(where, column.null_count)
+        raise StorageError(f"{where} has {column.null_count} null embeddings")
     flat = column.flatten().to_numpy(zero_copy_only=False)
     return np.ascontiguousarray(flat.reshape(-1, dim or column.type.list_size), np.float32)
-
-
-def _null_rows(where: str, count: int) -> Exception:
-    from pipeline.errors import StorageError
-
-    return StorageError(f"{where} has {count} null embeddings")

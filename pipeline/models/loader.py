@@ -256,6 +256,13 @@ def max_length(files: ModelFiles, tokenizer: PreTrainedTokenizerFast, config: Mo
     return min(limit, usable_positions(config))
 
 
+def load_failed(folder: Path, exc: BaseException) -> ModelError:
+    """What transformers raised reading model ``folder`` (OSError, ValueError, KeyError), as
+    one line."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ModelError(f"cannot load an encoder from {folder}: {first}")
+
+
 def check_max_length(max_length: int, config: ModelConfig, folder: Path) -> None:
     """A job's ``max_length`` fits the rows model ``folder`` reads; else one line."""
     usable = usable_positions(config)
