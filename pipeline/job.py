@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from pipeline import faults, storage
 from pipeline.batching import SLICE_ROWS, slice_length, text_lengths
 from pipeline.config import EmbedJob
-from pipeline.corpus import Chunk, read_shard
+from pipeline.corpus import Chunk, arrow_id_type, read_shard
 from pipeline.errors import FingerprintError
 from pipeline.models.hashing import int8_hint
 from pipeline.reuse import StoredVectors
@@ -143,8 +143,9 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     """
     started = time.perf_counter()
     stats, reader = ShardStats(), ShardStats()  # the reader thread keeps its own, added last
-    previous = {w.name: StoredVectors(request.job.out, w.name, w.dim, w.previous, w.moved,
-                                      request.generation[w.name], request.shard.rows)
+    previous = {w.name: StoredVectors(request.job.out, w.name, w.dim, _id_type(request),
+                                      w.previous, w.moved, request.generation[w.name],
+                                      request.shard.rows)
                 for w in request.sets}
     quarantine: list[pa.Table] = []
     faults.hit("read_shard", request.shard.id)
@@ -311,8 +312,6 @@ def _check_fingerprints(embedder: Embedder, sets: list[SetWork]) -> None:
 
 
 def _id_type(request: ShardRequest) -> pa.DataType:
-    from pipeline.corpus import arrow_id_type
-
     return arrow_id_type(request.id_type)
 
 
@@ -383,7 +382,7 @@ def _write_set(request: ShardRequest, work: SetWork, rows: ShardHashes,
     ids, hashes, generation = rows.ids, rows.hashes, rows.generation
     folder = SetFolder(out, work.name)
     _fence(request)
-    old_ids, old_hashes, written_in, _ = folder.read_hashes(shard.id)
+    old_ids, old_hashes, written_in, _ = folder.read_hashes(shard.id, _id_type(request))
     marker = ShardMarker(
         shard=shard.id,
         file=shard.file,

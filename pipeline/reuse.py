@@ -19,7 +19,7 @@ import polars as pl
 import pyarrow as pa
 
 from pipeline.errors import StorageError
-from pipeline.sets import SetFolder, ShardHashes
+from pipeline.sets import SetFolder
 
 # whole parts a shard takes in, in rows per row of the shard: beyond this, only the rows a
 # slice asks for are taken (a corpus shuffled across files would otherwise hold all of it)
@@ -29,10 +29,11 @@ ABSORB_PER_ROW = 2
 class StoredVectors:
     """The vectors of one set that a shard may reuse, numbered in the order they were read."""
 
-    def __init__(self, out: str, name: str, dim: int, previous: list[str],
+    def __init__(self, out: str, name: str, dim: int, id_type: pa.DataType, previous: list[str],
                  moved: str = "", generation: int = 0, shard_rows: int = 0) -> None:
         self.folder = SetFolder(out, name)
         self.dim = dim  # the set's (``_SET.json``, as the run claimed it): what is stored must be
+        self.id_type = id_type  # the set's too
         self._blocks: list[np.ndarray] = []
         self._born: list[np.ndarray] = []  # each stored vector's generation (``ShardHashes``)
         self._starts: list[int] = []
@@ -134,12 +135,13 @@ class StoredVectors:
         whole = self._budget > 0
         if not whole:
             if url not in self._leftover_keys:
-                stored, _ = self.folder.read_leftovers(url, self._generation, vectors=False)
-                self._leftover_keys[url] = self._checked(url, stored, wanted)
+                stored, _ = self.folder.read_leftovers(url, self._generation, self.id_type,
+                                                       vectors=False)
+                self._leftover_keys[url] = _keys(stored.ids, stored.hashes)
             if not len(_rows_in(self._leftover_keys[url], wanted)):
                 return None
-        stored, vectors = self.folder.read_leftovers(url, self._generation)
-        keys = self._checked(url, stored, wanted)
+        stored, vectors = self.folder.read_leftovers(url, self._generation, self.id_type)
+        keys = _keys(stored.ids, stored.hashes)
         if whole:  # taken in whole: never read again
             self._spent_files.add(url)
             self._budget -= len(keys)
@@ -147,16 +149,9 @@ class StoredVectors:
         rows = _rows_in(keys, wanted)
         return keys[rows], vectors[rows], stored.born[rows]
 
-    @staticmethod
-    def _checked(url: str, stored: ShardHashes, wanted: pl.DataFrame) -> pl.DataFrame:
-        keys = _keys(stored.ids, stored.hashes)
-        if keys.schema != wanted.schema:
-            raise StorageError(f"{url}: ids of type {stored.ids.type}, not the set's")
-        return keys
-
     def _take_parts(self, wanted: pl.DataFrame) -> bool:
         """Rows of ``wanted`` in the parts of the run's moved-from shards."""
-        shards, known = _moved_keys(self.folder, self._generation, self._moved)
+        shards, known = _moved_keys(self.folder, self.id_type, self._generation, self._moved)
         if known is None:
             return False
         hits = wanted.join(known, on=["id", "hash"])
@@ -202,7 +197,7 @@ class StoredVectors:
     def _read_part(self, shard: str) -> tuple[pl.DataFrame, np.ndarray, np.ndarray] | None:
         """A shard's stored keys, vectors and their generations; None where it has no rows,
         or its part and hashes disagree (trust neither)."""
-        stored = self.folder.read_hashes(shard)
+        stored = self.folder.read_hashes(shard, self.id_type)
         if not len(stored.ids) or not self.folder.has_part(shard):
             return None
         part_ids, vectors = self.folder.read_part(shard)
@@ -232,7 +227,8 @@ _MOVED_SETS = 8  # sets whose keys a process keeps (a long-lived worker serves m
 _MOVED_LOCK = threading.Lock()
 
 
-def _moved_keys(folder: SetFolder, generation: int, digest: str) -> _Moved:
+def _moved_keys(folder: SetFolder, id_type: pa.DataType, generation: int, digest: str
+                ) -> _Moved:
     """The run's moved-from shards (``SetFolder.read_moved``) and the (id, hash, shard) of
     every row they held when first asked in this run (None if none): ``shard`` is the index
     in the list (a stale answer only misses: each part is read again before its rows are
@@ -245,7 +241,7 @@ def _moved_keys(folder: SetFolder, generation: int, digest: str) -> _Moved:
         shards = folder.read_moved(generation, digest)
         frames = []
         for index, shard in enumerate(shards):
-            stored = folder.read_hashes(shard)
+            stored = folder.read_hashes(shard, id_type)
             if len(stored.ids):
                 frames.append(_keys(stored.ids, stored.hashes)
                               .with_columns(shard=pl.lit(index, pl.Int32)))

@@ -43,6 +43,8 @@ from pipeline.shards import Shard, plan_shards
 from pipeline.stats import ShardStats
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from pipeline.embedder import Embedder
 
 
@@ -406,11 +408,12 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
     generation ``g`` changed it) and ``_SET.json`` (the corpus where this run read it: search
     joins snippets from there); returns the new metadata and how many ids left the set."""
     markers, meta = folder.read_markers(), folder.meta()
-    _retire(folder, markers, planned, g)
+    id_type = arrow_id_type(meta.id_type)
+    _retire(folder, markers, planned, g, id_type)
     live = [m for sid, m in markers.items() if sid in planned]
     parts = [part_name(m.shard) for m in live if m.generation == g and m.rows]
-    removed = folder.removed_ids(g, arrow_id_type(meta.id_type))
-    deleted = _left_the_set(folder, removed, [m.shard for m in live])
+    removed = folder.removed_ids(g, id_type)
+    deleted = _left_the_set(folder, removed, [m.shard for m in live], id_type)
     changed = bool(parts or removed)
     held = ShardStats.total(ShardStats(rows=m.rows, skipped=m.skipped) for m in live)
     meta = meta.model_copy(
@@ -429,7 +432,8 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
     return meta, len(deleted)
 
 
-def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None:
+def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int,
+            id_type: pa.DataType) -> None:
     """Shards no longer planned: record their ids as removed, then delete marker and part
     (the marker first: one left on a removed part would say its rows are there, to a rerun
     after the file came back). A shard's part left without its marker by a run that died
@@ -437,7 +441,7 @@ def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None
     else it stayed for good."""
     gone = set(markers) | folder.unmarked_shards(markers)
     for sid in sorted(sid for sid in gone if sid not in planned):
-        ids = folder.read_hashes(sid).ids
+        ids = folder.read_hashes(sid, id_type).ids
         folder.record_removed(g, sid, ids)
         folder.remove_marker(sid)
         faults.hit("retire_part", f"{sid}/{folder.name}")
@@ -445,13 +449,14 @@ def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int) -> None
         storage.remove(quarantine_url(folder.out, sid))
 
 
-def _left_the_set(folder: SetFolder, removed: list, live_shards: list[str]) -> list:
+def _left_the_set(folder: SetFolder, removed: list, live_shards: list[str],
+                  id_type: pa.DataType) -> list:
     """Removed ids that are not in any live part (ids that moved to another shard stay)."""
     if not removed:
         return []
     gone = dict.fromkeys(removed)
     for sid in live_shards:
-        ids = folder.read_hashes(sid).ids
+        ids = folder.read_hashes(sid, id_type).ids
         for i in ids.to_pylist():
             gone.pop(i, None)
         if not gone:

@@ -168,8 +168,13 @@ class ShardHashes(NamedTuple):
     born: np.ndarray
 
 
-def _shard_hashes(table: pa.Table, generation: int) -> ShardHashes:
-    """A hashes or leftovers table's keys (its columns checked by the caller)."""
+def _shard_hashes(table: pa.Table, generation: int, id_type: pa.DataType, url: str
+                  ) -> ShardHashes:
+    """A hashes or leftovers table's keys (its other columns checked by the caller); ids not
+    of the set's ``id_type`` are one line (they are joined to the ids the run reads)."""
+    if table.schema.field("id").type != id_type:
+        raise StorageError(f"{url}: its ids are {table.schema.field('id').type}, not the set's "
+                           f"{id_type}")
     hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
     return ShardHashes(table.column("id").combine_chunks(), hashes, generation,
                        _born(table, generation))
@@ -436,8 +441,9 @@ class SetFolder:
         table = table.replace_schema_metadata({"generation": str(generation)})
         storage.write_parquet(self._hashes_url(shard), table)
 
-    def read_hashes(self, shard: str) -> ShardHashes:
-        """A shard's part's keys (empty, generation -1, if it has no hashes file)."""
+    def read_hashes(self, shard: str, id_type: pa.DataType) -> ShardHashes:
+        """A shard's part's keys (empty, generation -1, if it has no hashes file); its ids must
+        be of the set's ``id_type``."""
         url = self._hashes_url(shard)
         if not storage.exists(url):
             return ShardHashes(pa.array([]), np.zeros(0, np.uint64), -1, np.zeros(0, np.int64))
@@ -448,7 +454,7 @@ class SetFolder:
             generation = int((table.schema.metadata or {}).get(b"generation", b"-1"))
         except ValueError:
             raise StorageError(f"{url}: its generation is not a number") from None
-        return _shard_hashes(table, generation)
+        return _shard_hashes(table, generation, id_type, url)
 
     def remove_part(self, shard: str) -> None:
         storage.remove(self.part_url(shard))
@@ -521,11 +527,10 @@ class SetFolder:
             return
         url = self._removed_url(generation, shard, ".parquet")
         if storage.exists(url):
-            earlier, stored = self.read_leftovers(url, generation)
-            if earlier.ids.type != rows.ids.type or stored.shape[1] != vectors.shape[1]:
-                raise StorageError(f"{url}: {earlier.ids.type} ids and {stored.shape[1]} "
-                                   f"dimensions, not the set's {rows.ids.type} and "
-                                   f"{vectors.shape[1]}")
+            earlier, stored = self.read_leftovers(url, generation, rows.ids.type)
+            if stored.shape[1] != vectors.shape[1]:
+                raise StorageError(f"{url}: vectors of {stored.shape[1]} dimensions, not the "
+                                   f"set's {vectors.shape[1]}")
             rows = ShardHashes(pa.concat_arrays([earlier.ids, rows.ids]),
                                np.concatenate([earlier.hashes, rows.hashes]), generation,
                                np.concatenate([earlier.born, rows.born]))
@@ -539,10 +544,10 @@ class SetFolder:
         return [url for g, url in self._removed_records(".parquet") if g == generation]
 
     @staticmethod
-    def read_leftovers(url: str, generation: int, vectors: bool = True
+    def read_leftovers(url: str, generation: int, id_type: pa.DataType, vectors: bool = True
                        ) -> tuple[ShardHashes, np.ndarray | None]:
-        """A leftovers file of ``generation``: its keys, and its vectors (None where not
-        ``vectors``: its keys alone are read)."""
+        """A leftovers file of ``generation``: its keys (ids of the set's ``id_type``), and its
+        vectors (None where not ``vectors``: its keys alone are read)."""
         with storage.explained(url, "read"):
             schema = storage.parquet_file(url).schema_arrow
         if not _leftovers_schema(schema):
@@ -550,7 +555,7 @@ class SetFolder:
                                "fixed_size_list<float>, born int64)")
         columns = None if vectors else [c for c in schema.names if c != "embedding"]
         table = storage.read_parquet(url, columns=columns)
-        keys = _shard_hashes(table, generation)
+        keys = _shard_hashes(table, generation, id_type, url)
         return keys, vectors_of(table.column("embedding"), url) if vectors else None
 
     def _removed_records(self, suffix: str = ".json") -> list[tuple[int, str]]:
@@ -566,10 +571,17 @@ class SetFolder:
             found.append((int(generation), self._at("_removed", name)))
         return found
 
-    @staticmethod
-    def _removed_record(url: str, id_type: pa.DataType) -> list:
-        record = storage.read_model(url, RemovalRecord, "a removal record")
-        return stored_ids(record.ids if record else [], id_type, url).to_pylist()
+    def _removed_record(self, url: str, id_type: pa.DataType) -> list:
+        """A removal record's ids; a damaged one is one line saying how to recover: its ids
+        may still be in the index, which only a rebuild then drops."""
+        try:
+            record = storage.read_model(url, RemovalRecord, "a removal record")
+            return stored_ids(record.ids if record else [], id_type, url).to_pylist()
+        except StorageError as exc:
+            raise StorageError(
+                f"{exc}; restore it, or remove it and rebuild the index (embedpipe index "
+                f"{self.out} --set {self.name} --rebuild): the rows it names left the set"
+            ) from None
 
     def removed_ids(self, generation: int, id_type: pa.DataType) -> list:
         """The ids ``generation`` removed from the set's shards, as ``id_type``'s values."""

@@ -411,9 +411,17 @@ def _ls(url: str, kinds: tuple[str, ...]) -> list[str]:
         _require_bucket(fs, url, "list")
     return sorted(
         _as_url(url, e["name"].rstrip("/")) for e in entries
-        if e["type"] in kinds and e["name"].rstrip("/") != path.rstrip("/")
+        if _kind(e) in kinds and e["name"].rstrip("/") != path.rstrip("/")
         and not os.path.basename(e["name"].rstrip("/")).startswith(".")
     )
+
+
+def _kind(entry: dict) -> str:
+    """An ``fs.ls`` entry's type; a local symbolic link (type "other") is "linked folder"
+    where it points to a folder."""
+    if entry["type"] == "other" and entry.get("islink") and os.path.isdir(entry["name"]):
+        return "linked folder"
+    return entry["type"]
 
 
 def list_files(url: str, suffix: str = "") -> list[str]:
@@ -427,8 +435,10 @@ def list_files(url: str, suffix: str = "") -> list[str]:
 
 
 def list_dirs(url: str) -> list[str]:
-    """Sub-folders directly under folder ``url`` (S3: common prefixes), sorted, as URLs."""
-    return _ls(url, ("directory",))
+    """Sub-folders directly under folder ``url`` (S3: common prefixes), sorted, as URLs; a
+    local link to a folder too (a set folder linked from elsewhere is read through it, and
+    refused where a writer would write: ``refuse_linked_folders``)."""
+    return _ls(url, ("directory", "linked folder"))
 
 
 def _as_url(base_url: str, found: str) -> str:

@@ -114,13 +114,15 @@ def test_a_moved_from_part_is_not_read_once_its_marker_changed(tmp_path, tiny_mo
     folder = SetFolder(str(tmp_path / "out"), "mean")
     markers = folder.read_markers()
     [shard] = [s for s in markers if s.endswith("g00002-00004")]
-    ids, hashes, _, _ = folder.read_hashes(shard)
+    ids, hashes, _, _ = folder.read_hashes(shard, pa.int64())
     moved = folder.write_moved(2, [shard])
-    stored = StoredVectors(folder.out, "mean", 32, [], moved, generation=2, shard_rows=20)
+    stored = StoredVectors(folder.out, "mean", 32, pa.int64(), [], moved, generation=2,
+                           shard_rows=20)
     assert (stored.lookup(ids, hashes) >= 0).all()
     folder.remove_marker(shard)
     moved = folder.write_moved(3, [shard])
-    fresh = StoredVectors(folder.out, "mean", 32, [], moved, generation=3, shard_rows=20)
+    fresh = StoredVectors(folder.out, "mean", 32, pa.int64(), [], moved, generation=3,
+                          shard_rows=20)
     assert (fresh.lookup(ids, hashes) == -1).all()
 
 
@@ -136,7 +138,7 @@ def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir, first)
     _first_run(tmp_path, tiny_model_dir)
     folder = SetFolder(str(tmp_path / "out"), "mean")
     shard = sorted(folder.read_markers())[0]
-    stored = StoredVectors(folder.out, "mean", 32, [] if first else [shard],
+    stored = StoredVectors(folder.out, "mean", 32, pa.int64(), [] if first else [shard],
                            folder.write_moved(2, ["gone"]), generation=2, shard_rows=20)
     folder.write_leftovers(2, "other", _keys(pa.array([500])), np.zeros((1, 5), np.float32))
     with pytest.raises(StorageError, match="vectors of 5 dimensions in a set of 32"):
@@ -146,8 +148,8 @@ def test_leftovers_of_another_width_are_refused(tmp_path, tiny_model_dir, first)
 def test_leftovers_of_another_shape_are_one_line(tmp_path, tiny_model_dir):
     _first_run(tmp_path, tiny_model_dir)
     folder = SetFolder(str(tmp_path / "out"), "mean")
-    stored = StoredVectors(folder.out, "mean", 32, [], folder.write_moved(2, ["gone"]),
-                           generation=2, shard_rows=20)
+    stored = StoredVectors(folder.out, "mean", 32, pa.int64(), [],
+                           folder.write_moved(2, ["gone"]), generation=2, shard_rows=20)
     url = tmp_path / "out" / "sets" / "mean" / "_removed" / "000002-other.parquet"
     url.parent.mkdir()
     pq.write_table(pa.table({"id": [500], "hash": ["x"]}), url)
@@ -155,7 +157,7 @@ def test_leftovers_of_another_shape_are_one_line(tmp_path, tiny_model_dir):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))
     url.unlink()
     folder.write_leftovers(2, "other", _keys(pa.array(["500"])), np.zeros((1, 32), np.float32))
-    with pytest.raises(StorageError, match="ids of type string, not the set's"):
+    with pytest.raises(StorageError, match="other.parquet: its ids are string, not the set's"):
         stored.lookup(pa.array([500]), np.array([7], np.uint64))
 
 
@@ -169,13 +171,13 @@ def test_past_its_budget_a_shard_reads_the_vectors_of_leftovers_holding_its_rows
         folder.write_leftovers(2, shard, _keys(pa.array([row])), np.ones((1, 32), np.float32))
     reads, read = [], SetFolder.read_leftovers
 
-    def counted(url: str, generation: int, vectors: bool = True):
+    def counted(url: str, generation: int, id_type: pa.DataType, vectors: bool = True):
         reads.append((url.rsplit("-", 1)[-1], vectors))
-        return read(url, generation, vectors)
+        return read(url, generation, id_type, vectors)
 
     monkeypatch.setattr(SetFolder, "read_leftovers", staticmethod(counted))
-    stored = StoredVectors(folder.out, "mean", 32, [], folder.write_moved(2, ["gone"]),
-                           generation=2, shard_rows=0)
+    stored = StoredVectors(folder.out, "mean", 32, pa.int64(), [],
+                           folder.write_moved(2, ["gone"]), generation=2, shard_rows=0)
     for row in (500, 700, 600):
         stored.lookup(pa.array([row]), np.array([7], np.uint64))
     assert reads == [("a.parquet", False), ("a.parquet", True), ("b.parquet", False),

@@ -159,7 +159,8 @@ def test_a_folder_in_out_linked_elsewhere_is_refused_before_any_write(site, caps
     before, inside = outside(site), out_digest(site["out"])
     embed = [*embed_args(site)[:1], str(grown), *embed_args(site)[2:]]
     index = ["index", str(site["out"]), "--set", "mean", "--rebuild"]
-    for args, command in ((embed, "embed"), (index, "index")):
+    every = ["index", str(site["out"]), "--rebuild"]  # a linked set was no set: "no sets"
+    for args, command in ((embed, "embed"), (index, "index"), (every, "index")):
         assert main(args) == 1
         err = one_line_error(capsys, command)
         assert f"{str(folder)!r} is a symbolic link to {str(elsewhere)!r}" in err, err
@@ -192,7 +193,10 @@ def test_a_removal_record_with_ids_not_of_the_sets_type_is_one_line(site, capsys
     record.parent.mkdir(exist_ok=True)
     record.write_text(json.dumps({"generation": 2, "ids": ["7"]}))
     assert main(embed_args(site)) == 1
-    assert f"{record}: its ids are not the set's int64" in one_line_error(capsys, "embed")
+    err = one_line_error(capsys, "embed")
+    assert f"{record}: its ids are not the set's int64" in err
+    assert err.endswith(f"index {site['out']} --set mean --rebuild): the rows it names left "
+                        "the set")  # removed by hand, its ids would stay in the index
     assert not (site["out"] / "sets" / "mean" / "_changes" / "000002.json").exists()
 
 
@@ -207,3 +211,22 @@ def test_a_part_whose_ids_are_not_the_sets_type_is_one_line(site, capsys, prefec
     assert main(["index", str(site["out"]), "--set", "mean"]) == 1
     assert f"{url}: its ids are int32, not the set's int64" in one_line_error(capsys, "index")
     assert out_digest(site["out"]) == before
+
+
+def test_a_hashes_file_whose_ids_are_not_the_sets_type_is_one_line(site, capsys,
+                                                                    prefect_api):
+    """A rerun joins each shard's stored keys to the rows it reads: string ids in an int64
+    set's ``_hashes`` files failed it after its retries with a polars traceback."""
+    hashes = sorted((site["out"] / "sets" / "mean" / "_hashes").glob("*.parquet"))
+    for url in hashes:
+        table = pq.read_table(url)
+        pq.write_table(table.set_column(0, "id", table.column("id").cast(pa.string())), url)
+    write_corpus(site["corpus"], list(range(ROWS)), [f"changed {text_for(i)}" for i in range(ROWS)])
+    def kept() -> dict[str, str]:  # but the run's list of moved-from shards, for a rerun
+        return {k: v for k, v in out_digest(site["out"]).items() if "/_moved/" not in k}
+
+    inside = kept()
+    assert main(embed_args(site)) == 1
+    err = one_line_error(capsys, "embed")
+    assert any(f"{url}: its ids are string, not the set's int64" in err for url in hashes), err
+    assert kept() == inside

@@ -103,13 +103,13 @@ def test_part_round_trip_keeps_id_type_and_fixed_size_vectors(tmp_path):
 
 def test_hashes_carry_their_generation_and_their_vectors(tmp_path):
     folder = SetFolder(str(tmp_path), "s")
-    assert folder.read_hashes("a").generation == -1
+    assert folder.read_hashes("a", pa.int64()).generation == -1
     folder.write_hashes("a", pa.array([1, 2]), np.array([5, 6], np.uint64), generation=4)
-    ids, hashes, generation, born = folder.read_hashes("a")
+    ids, hashes, generation, born = folder.read_hashes("a", pa.int64())
     assert ids.to_pylist() == [1, 2] and hashes.tolist() == [5, 6] and generation == 4
     assert born.tolist() == [4, 4]  # every vector made by the writing generation
     folder.write_hashes("a", pa.array([1, 2]), np.array([5, 6], np.uint64), 4, np.array([2, 4]))
-    assert folder.read_hashes("a").born.tolist() == [2, 4]  # one reused from generation 2
+    assert folder.read_hashes("a", pa.int64()).born.tolist() == [2, 4]  # one from generation 2
 
 
 def test_a_vectors_generation_the_hashes_cannot_hold_is_the_writers(tmp_path):
@@ -122,14 +122,19 @@ def test_a_vectors_generation_the_hashes_cannot_hold_is_the_writers(tmp_path):
     for extra in ({}, {"born": pa.array([1, 9], pa.int64())}, {"born": [-1, 1]},
                   {"born": pa.array(["1", "2"])}):
         pq.write_table(pa.table(keys | extra).replace_schema_metadata({"generation": "3"}), url)
-        assert folder.read_hashes("a").born.tolist() == [3, 3], extra
+        assert folder.read_hashes("a", pa.int64()).born.tolist() == [3, 3], extra
     pq.write_table(pa.table(keys).replace_schema_metadata({"generation": "x"}), url)
     with pytest.raises(StorageError, match="a.parquet: its generation is not a number"):
-        folder.read_hashes("a")
+        folder.read_hashes("a", pa.int64())
     for table in (pa.table({"id": [1]}), pa.table({"id": [1], "hash": [-5]})):
         pq.write_table(table, url)
         with pytest.raises(StorageError, match="a.parquet: not a hashes file"):
-            folder.read_hashes("a")
+            folder.read_hashes("a", pa.int64())
+    for ids in (["1", "2"], pa.array([1, 2], pa.int32())):  # joined to the run's int64 ids
+        pq.write_table(pa.table({"id": ids, "hash": keys["hash"]}), url)
+        with pytest.raises(StorageError, match="a.parquet: its ids are (string|int32), not "
+                                               "the set's int64"):
+            folder.read_hashes("a", pa.int64())
 
 
 def test_removal_records_merge_across_attempts_and_clear(tmp_path):
@@ -192,7 +197,8 @@ def test_a_removal_record_whose_ids_are_no_list_is_one_line(tmp_path, ids):
     removal = tmp_path / "sets" / "s" / "_removed" / "000002-a.json"
     removal.parent.mkdir(parents=True)
     removal.write_text(json.dumps({"generation": 2, "ids": ids}))
-    with pytest.raises(StorageError, match=f"^{removal}: its ids are not a list$"):
+    with pytest.raises(StorageError, match=f"^{removal}: its ids are not a list; restore "
+                                           "it, or remove it and rebuild the index"):
         SetFolder(str(tmp_path), "s").removed_ids(2, pa.int64())
 
 

@@ -421,7 +421,7 @@ def _fresh_ids(folder: SetFolder, touched: SetVectors, idmap: IdMap, generation:
     for part in touched.parts:
         ids = setdata.read_ids(part.url).cast(idmap.ids.type)
         shard = shard_of(part.name)
-        keys = folder.read_hashes(shard) if shard is not None else None
+        keys = folder.read_hashes(shard, idmap.ids.type) if shard is not None else None
         held = (keys.born <= generation if keys is not None and keys.ids.equals(ids)
                 else np.zeros(len(ids), bool))
         held &= pc.is_in(ids, value_set=idmap.ids).to_numpy(zero_copy_only=False)
