@@ -142,8 +142,12 @@ def lease_ttl() -> float:
         ttl = float(raw)
     except ValueError:
         ttl = 0.0
-    if not 0.5 <= ttl <= MAX_TTL:
-        raise ConfigError(f"{TTL_ENV}={raw!r}: expected seconds between 0.5 and {MAX_TTL:.0f}")
+    return _checked_ttl(ttl, f"{TTL_ENV}={raw!r}")
+
+
+def _checked_ttl(ttl: float, what: str) -> float:
+    if not 0.5 <= ttl <= MAX_TTL:  # NaN too
+        raise ConfigError(f"{what}: expected seconds between 0.5 and {MAX_TTL:.0f}")
     return ttl
 
 
@@ -365,6 +369,7 @@ class WriterLease:
     _thread_id: int = field(init=False, default_factory=threading.get_ident)  # the taker's
 
     def __post_init__(self) -> None:
+        _checked_ttl(self.ttl, f"a lease TTL of {self.ttl!r}")
         self._store = _store(self.out)
         now = time.time()
         self._me = Holder(token=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(),

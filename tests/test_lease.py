@@ -269,6 +269,14 @@ def test_a_bad_ttl_is_one_line(monkeypatch, raw):
         lease_ttl()
 
 
+@pytest.mark.parametrize("ttl", [0.0, -3.0, float("nan"), 1e9])
+def test_a_bad_ttl_given_in_python_is_one_line_and_takes_nothing(out, ttl):
+    """It was a pydantic traceback as the holder was made (NaN: a lease that never expired)."""
+    with pytest.raises(ConfigError, match=f"a lease TTL of {ttl!r}: expected seconds"):
+        WriterLease(out, "embed", ttl=ttl)
+    assert not storage.exists(storage.join(out, LEASE_FILE))
+
+
 def test_the_ttl_can_come_from_the_settings_file(tmp_path, monkeypatch):
     from pipeline.settings import CONFIG_ENV, load_settings
 
