@@ -18,16 +18,16 @@ import resource
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import faiss
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.index import IndexRequest, index_set, open_index, read_meta
 from pipeline.index.setdata import SetVectors
-from pipeline.sets import SetFolder
+from pipeline.sets import SetFolder, SetMeta, ShardMarker
 
 PART_ROWS = 100_000
 
@@ -44,19 +44,22 @@ def sample(c: np.ndarray, rows: int, rng: np.random.Generator, spread: float) ->
 
 
 def write_set(out: Path, rows: int, dim: int, c: np.ndarray, spread: float) -> None:
-    folder = out / "sets" / "bench"
-    folder.mkdir(parents=True)
+    """A done set through the library's own writer (``SetFolder``): each part with its done
+    marker (readers take marked parts only), then ``_SET.json``."""
+    folder = SetFolder(str(out), "bench")
     rng = np.random.default_rng(1)
     for n, start in enumerate(range(0, rows, PART_ROWS)):
         x = sample(c, min(PART_ROWS, rows - start), rng, spread)
-        emb = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel(), pa.float32()), dim)
-        ids = pa.array(np.arange(start, start + len(x), dtype=np.int64))
-        pq.write_table(pa.table({"id": ids, "embedding": emb}), folder / f"part-{n:05d}.parquet",
-                       row_group_size=16_384)
-    meta = {"name": "bench", "fingerprint": "synthetic", "model": "synthetic",
-            "model_hash": "none", "encoder": {}, "pooler": {"name": "bench"}, "dim": dim,
-            "dtype": "fp32", "normalize": True, "max_length": 0, "generation": 1}
-    (folder / "_SET.json").write_text(json.dumps(meta))
+        shard = f"{n:05d}"
+        folder.write_part(shard, pa.array(np.arange(start, start + len(x), dtype=np.int64)), x)
+        folder.write_marker(ShardMarker(shard=shard, file="synthetic", first_group=n,
+                                        end_group=n + 1, signature="synthetic", rows=len(x),
+                                        generation=1))
+    folder.write_meta(SetMeta(
+        name="bench", fingerprint="synthetic", model="synthetic", model_hash="none",
+        encoder={}, pooler={"name": "bench"}, dim=dim, dtype="fp32", normalize=True,
+        max_length=0, id_type="int64", shards_done=-(-rows // PART_ROWS), rows_written=rows,
+        generation=1, token=uuid.uuid4().hex))
 
 
 def qps(search, queries: np.ndarray, one_at_a_time: int) -> tuple[float, float]:
