@@ -247,6 +247,24 @@ def stored_ids(values: object, id_type: pa.DataType, where: str) -> pa.Array:
                            "range, or not text)") from None
 
 
+def check_part_schema(url: str, schema: pa.Schema, dim: int, id_type: pa.DataType) -> None:
+    """A part of another shape, or whose ids are not of the set's ``id_type`` (every part of
+    a set stores that one), is refused by name."""
+    if "id" not in schema.names or "embedding" not in schema.names:
+        raise StorageError(f"{url} is not a set part: it needs columns id and embedding")
+    if schema.field("id").type != id_type:
+        raise StorageError(f"{url}: its ids are {schema.field('id').type}, not the set's "
+                           f"{id_type}")
+    kind = schema.field("embedding").type
+    if not pa.types.is_fixed_size_list(kind) or kind.value_type != pa.float32():
+        raise FingerprintError(f"{url}: embedding is {kind}, not fixed_size_list<float32>")
+    if kind.list_size != dim:
+        raise FingerprintError(
+            f"{url} holds {kind.list_size}-dim vectors but the set's _SET.json says dim {dim}; "
+            "the set mixes vectors of two shapes"
+        )
+
+
 def part_name(shard: str) -> str:
     return f"{PART_PREFIX}{file_name(shard, 'a shard id')}.parquet"
 
@@ -408,6 +426,9 @@ class SetFolder:
             empty = pa.table({"id": pa.array([], arrow_id_type(meta.id_type)),
                               "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
             return pl.from_arrow(empty).lazy()
+        for url in urls:  # one line naming a part polars would fail to stack, at collect
+            check_part_schema(url, storage.parquet_file(url).schema_arrow, meta.dim,
+                              arrow_id_type(meta.id_type))
         with storage.explained(self.url, "read"):
             # the parts' own names, not patterns: an OUT named "run [1]" reads as it is
             frame = pl.scan_parquet(urls, glob=False,

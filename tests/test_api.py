@@ -214,6 +214,18 @@ def test_read_set_is_a_polars_frame_of_the_set(tmp_path, tiny_model_dir):
     assert sorted(frame["id"].to_list()) == list(range(100, 120))
 
 
+def test_read_set_names_a_part_whose_ids_are_not_the_sets_type(tmp_path, tiny_model_dir):
+    """Polars failed to stack it at collect, naming no file."""
+    out = embedded_set(tmp_path, tiny_model_dir)
+    folder = SetFolder(str(out), "mean")
+    url = folder.part_urls()[-1]
+    table = pq.read_table(url)
+    pq.write_table(table.set_column(0, "id", table.column("id").cast(pa.int32())), url)
+    with pytest.raises(embedpipe.EmbedpipeError,
+                       match=f"^{url}: its ids are int32, not the set's int64$"):
+        embedpipe.read_set(out, "mean")
+
+
 def test_paths_may_be_pathlib_and_names_a_single_str(tmp_path, tiny_model_dir):
     """``read_set``, ``search`` and ``evaluate`` raised AttributeError on a ``Path``; a str
     for ``sets`` was split into one-letter set names."""

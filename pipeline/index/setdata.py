@@ -15,8 +15,7 @@ import pyarrow as pa
 
 from pipeline import storage
 from pipeline.corpus import arrow_id_type
-from pipeline.errors import FingerprintError, StorageError
-from pipeline.sets import SetFolder, SetMeta
+from pipeline.sets import SetFolder, SetMeta, check_part_schema
 from pipeline.vectors import unit_rows, vectors_of
 
 
@@ -89,20 +88,7 @@ def open_part(url: str, dim: int, id_type: pa.DataType) -> Part:
     """A part's layout from its footer; a part of another shape, or whose ids are not of the
     set's ``id_type`` (every part of a set stores that one), is refused by name."""
     pf = storage.parquet_file(url)
-    schema = pf.schema_arrow
-    if "id" not in schema.names or "embedding" not in schema.names:
-        raise StorageError(f"{url} is not a set part: it needs columns id and embedding")
-    if schema.field("id").type != id_type:
-        raise StorageError(f"{url}: its ids are {schema.field('id').type}, not the set's "
-                           f"{id_type}")
-    kind = schema.field("embedding").type
-    if not pa.types.is_fixed_size_list(kind) or kind.value_type != pa.float32():
-        raise FingerprintError(f"{url}: embedding is {kind}, not fixed_size_list<float32>")
-    if kind.list_size != dim:
-        raise FingerprintError(
-            f"{url} holds {kind.list_size}-dim vectors but the set's _SET.json says dim {dim}; "
-            "the set mixes vectors of two shapes"
-        )
+    check_part_schema(url, pf.schema_arrow, dim, id_type)
     meta = pf.metadata
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
     return Part(url=url, name=url.rsplit("/", 1)[-1], rows=meta.num_rows, groups=groups)
