@@ -22,7 +22,14 @@ from pydantic import BaseModel
 from pipeline.config import EncoderConfig, PoolerSpec, parse
 from pipeline.corpus import blank
 from pipeline.errors import ConfigError, FingerprintError, StorageError, TokenLimitError
-from pipeline.index import IndexMeta, index_url, list_sets, open_index, read_meta
+from pipeline.index import (
+    IndexMeta,
+    holds_set_vectors,
+    index_url,
+    list_sets,
+    open_index,
+    read_meta,
+)
 from pipeline.models.hashing import int8_kernel_of
 from pipeline.ranking import check_k
 from pipeline.sets import SetFolder, SetMeta
@@ -132,7 +139,7 @@ class Searcher:
                 f"with `embedpipe index {out} --set {self.name}`"
             )
         self.meta: IndexMeta = meta
-        self._check_index()
+        holds_set_vectors(meta, self.set, out)
         same_model = previous is not None and previous.set.fingerprint == self.set.fingerprint
         self.queries = (previous.queries if same_model
                         else QueryEncoder(self.set, device, trust_remote_code))
@@ -154,15 +161,6 @@ class Searcher:
         if problem:
             return None, f"no snippets for set {self.name!r}: {problem}"
         return store, None
-
-    def _check_index(self) -> None:
-        if self.meta.fingerprint != self.set.fingerprint or self.meta.dim != self.set.dim:
-            raise FingerprintError(
-                f"index {index_url(self.out, self.name)} was built from vectors of fingerprint "
-                f"{self.meta.fingerprint} (dim {self.meta.dim}) but set {self.name!r} is now "
-                f"{self.set.fingerprint} (dim {self.set.dim}); rebuild with "
-                f"`embedpipe index {self.out} --set {self.name} --rebuild`"
-            )
 
     @property
     def stale(self) -> bool:

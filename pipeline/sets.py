@@ -400,9 +400,17 @@ class SetFolder:
     def part_urls(self) -> list[str]:
         """URLs of the set's done parts, sorted: those whose shard has a done marker. A part
         written by a run that died before its marker is not the set's (a later run redoes or
-        retires it: ``unmarked_shards``), so no reader sees its rows twice."""
-        marked = self.marked_shards()
-        return [self.part_url(shard) for shard in sorted(self.written_shards()) if shard in marked]
+        retires it: ``unmarked_shards``), so no reader sees its rows twice. A done shard with
+        rows but no part is one line: a reader would silently lack its rows."""
+        marked, written = self.marked_shards(), self.written_shards()
+        for shard in sorted(marked - written):  # a shard done without rows has no part
+            marker = self.read_marker(shard)
+            if marker is not None and marker.rows:
+                raise StorageError(
+                    f"{self.part_url(shard)}: missing or not a file, though shard {shard} is "
+                    f"done with {marker.rows:,} rows; run embed again, which redoes it"
+                )
+        return [self.part_url(shard) for shard in sorted(written) if shard in marked]
 
     def written_shards(self) -> set[str]:
         """Shard ids of the ``part-*.parquet`` files in the folder (plain names only)."""

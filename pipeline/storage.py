@@ -26,13 +26,14 @@ import io
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
@@ -214,17 +215,43 @@ def size(url: str) -> int:
         return int(fs.size(path))
 
 
-def read_bytes(url: str) -> bytes:
+def open_file(url: str) -> IO[bytes]:
+    """The file at ``url`` opened for reading. A local one is opened without blocking and
+    only if it is a regular file: a FIFO or device in its place (``_INDEX.json``, a part, a
+    corpus file) would hang the reader for good. Call inside ``explained``."""
     fs, path = filesystem(url)
-    with explained(url, "read"):
-        return fs.cat_file(path)
+    if is_remote(url):
+        return fs.open(path, "rb")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StorageError(f"cannot read {url}: not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(url: str, limit: int | None = None) -> bytes:
+    """The file's bytes; more than ``limit`` of them is one line (a file that would fill
+    memory is not read)."""
+    with explained(url, "read"), open_file(url) as fh:
+        if limit is None:
+            return fh.read()
+        if _file_size(fh) > limit or len(data := fh.read(limit + 1)) > limit:
+            raise StorageError(f"cannot read {url}: larger than {limit:,} bytes")
+    return data
+
+
+def _file_size(fh: IO[bytes]) -> int:
+    """Bytes in an open file, from the file system (a local file) or the store (S3)."""
+    try:
+        return os.fstat(fh.fileno()).st_size
+    except (OSError, io.UnsupportedOperation, AttributeError):
+        return int(getattr(fh, "size", 0) or 0)
 
 
 def sha256(url: str) -> str:
     """SHA-256 (hex) of the file at ``url``, read in 4 MiB pieces."""
-    fs, path = filesystem(url)
     digest = hashlib.sha256()
-    with explained(url, "read"), fs.open(path, "rb") as fh:
+    with explained(url, "read"), open_file(url) as fh:
         for piece in iter(lambda: fh.read(1 << 22), b""):
             digest.update(piece)
     return digest.hexdigest()
@@ -352,8 +379,11 @@ def _sync_folder(folder: str) -> None:
         os.close(fd)
 
 
+MAX_JSON_BYTES = 1 << 29  # 512 MiB: a changes file of tens of millions of deleted ids
+
+
 def read_json(url: str) -> dict:
-    raw = read_bytes(url)
+    raw = read_bytes(url, MAX_JSON_BYTES)
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, an int of 5,000 digits
@@ -384,20 +414,18 @@ def write_parquet(url: str, table: pa.Table, row_group_size: int | None = None) 
 
 
 def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
-    fs, path = filesystem(url)
-    with explained(url, "read"):
+    with explained(url, "read"), open_file(url) as fh:
         try:
-            return pq.read_table(path, columns=columns, filesystem=fs)
+            return pq.read_table(fh, columns=columns)
         except pa.ArrowInvalid as exc:
             raise StorageError(f"{url} is not a readable Parquet file: {exc}") from None
 
 
 def parquet_file(url: str) -> pq.ParquetFile:
     """Open a Parquet file lazily (metadata only) for streaming row groups."""
-    fs, path = filesystem(url)
     with explained(url, "open"):
         try:
-            return pq.ParquetFile(fs.open(path, "rb"))
+            return pq.ParquetFile(open_file(url))
         except pa.ArrowInvalid as exc:
             raise StorageError(f"{url} is not a readable Parquet file: {exc}") from None
 
@@ -432,6 +460,12 @@ def list_files(url: str, suffix: str = "") -> list[str]:
     does not exist lists as empty; on S3 a missing bucket is an error.
     """
     return [f for f in _ls(url, ("file", "directory")) if f.endswith(suffix)]
+
+
+def list_regular_files(url: str, suffix: str = "") -> list[str]:
+    """Files directly under folder ``url`` whose names end with ``suffix`` (no sub-folders,
+    links or FIFOs), sorted, as URLs."""
+    return [f for f in _ls(url, ("file",)) if f.endswith(suffix)]
 
 
 def list_dirs(url: str) -> list[str]:

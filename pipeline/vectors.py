@@ -36,10 +36,16 @@ def vector_column(vectors: np.ndarray) -> pa.FixedSizeListArray:
 def vectors_of(column: pa.Array | pa.ChunkedArray, where: str, dim: int | None = None
                ) -> np.ndarray:
     """A float32 (rows, dim) matrix from a fixed_size_list column (``dim``: its list size
-    unless given); null rows are refused naming ``where``."""
+    unless given); null rows, and rows with a NaN or infinity (which no search finds, and
+    which an index's recall check does not see), are refused naming ``where``."""
     if hasattr(column, "combine_chunks"):
         column = column.combine_chunks()
     if column.null_count:
         raise StorageError(f"{where} has {column.null_count} null embeddings")
     flat = column.flatten().to_numpy(zero_copy_only=False)
-    return np.ascontiguousarray(flat.reshape(-1, dim or column.type.list_size), np.float32)
+    matrix = np.ascontiguousarray(flat.reshape(-1, dim or column.type.list_size), np.float32)
+    if not np.isfinite(matrix).all():
+        bad = int((~np.isfinite(matrix).all(axis=1)).sum())
+        raise StorageError(f"{where} has {bad:,} embeddings that are not finite (NaN or "
+                           "infinity); remove it and run embed again, which redoes them")
+    return matrix

@@ -97,7 +97,11 @@ def test_part_round_trip_keeps_id_type_and_fixed_size_vectors(tmp_path):
     folder.write_marker(ShardMarker(shard="shard-a", file="a.parquet", first_group=0,
                                     end_group=1, signature="s", rows=3, generation=1))
     assert folder.part_urls() == [folder.part_url("shard-a")] and not folder.unmarked_shards()
-    folder.remove_part("shard-a")
+    folder.remove_part("shard-a")  # its marker left: readers would silently lack its rows
+    with pytest.raises(StorageError, match="part-shard-a.parquet: missing or not a file, "
+                                           "though shard shard-a is done with 3 rows"):
+        folder.part_urls()
+    folder.remove_marker("shard-a")
     assert not folder.has_part("shard-a") and folder.part_urls() == []
 
 
@@ -240,15 +244,14 @@ def test_a_marker_the_store_fails_to_read_is_an_error_not_a_missing_shard(tmp_pa
     folder = SetFolder(str(tmp_path), "s")
     folder.write_marker(ShardMarker(shard="a", file="f", first_group=0, end_group=2,
                                     signature="x", rows=5, generation=1))
-    fs, _ = storage.filesystem(str(tmp_path))
-    real = type(fs).cat_file
+    real = storage.open_file
 
-    def failing(self, path, *args, **kwargs):
-        if path.endswith("/_done/a.json"):
+    def failing(url: str):
+        if url.endswith("/_done/a.json"):
             raise ConnectionResetError("connection reset by peer")
-        return real(self, path, *args, **kwargs)
+        return real(url)
 
-    monkeypatch.setattr(type(fs), "cat_file", failing)
+    monkeypatch.setattr(storage, "open_file", failing)
     with pytest.raises(StorageError, match=r"_done/a.json.*connection reset"):
         folder.read_markers()
 

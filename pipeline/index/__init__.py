@@ -21,6 +21,7 @@ _HOMES = {  # each name this package exports: the module it lives in
     "IndexPlan": "pipeline.index.plan", "parse_bytes": "pipeline.index.plan",
     "plan_index": "pipeline.index.plan", "IndexMeta": "pipeline.index.store",
     "index_url": "pipeline.index.store", "read_meta": "pipeline.index.store",
+    "holds_set_vectors": "pipeline.index.store",
     "list_sets": "pipeline.sets",
 }
 

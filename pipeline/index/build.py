@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pipeline import storage
 from pipeline.config import LeaseWait
 from pipeline.corpus import arrow_id_type
-from pipeline.errors import ConfigError, FingerprintError, StorageError
+from pipeline.errors import ConfigError, StorageError
 from pipeline.index import setdata, store
 from pipeline.index.exact import ExactTopK, faiss_metric
 from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
@@ -131,7 +131,7 @@ def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
     if replaced:
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
                            reason=replaced)
-    _check_same_vectors(req, info, current)
+    store.holds_set_vectors(current, info, req.out)
     if req.kind not in ("auto", current.kind, current.factory):
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
                            reason=f"kind changed from {current.kind} to {req.kind}")
@@ -173,17 +173,6 @@ def _replaced(current: store.IndexMeta, info: SetMeta) -> str:
         return (f"the set was replaced (the index is at generation {current.generation}, "
                 f"the set at {info.generation})")
     return ""
-
-
-def _check_same_vectors(req: IndexRequest, info: SetMeta, current: store.IndexMeta) -> None:
-    """An index only ever holds vectors of one fingerprint and dimension."""
-    if current.fingerprint != info.fingerprint or current.dim != info.dim:
-        raise FingerprintError(
-            f"index {store.index_url(req.out, info.name)} holds vectors of fingerprint "
-            f"{current.fingerprint} (dim {current.dim}) but set {info.name!r} now has "
-            f"{info.fingerprint} (dim {info.dim}); rebuild it with "
-            f"`embedpipe index {req.out} --set {info.name} --rebuild`"
-        )
 
 
 def _changes_since(out: str, info: SetMeta, since: int) -> list[SetChanges] | None:
@@ -345,7 +334,7 @@ def _meta(req: IndexRequest, info: SetMeta, budget: int, estimate: int, handle: 
         idmap_file=f"idmap-{token}.parquet", token=token,
         previous_token=previous.token if previous else None, mode=mode, built_at=time.time(),
         build_seconds=round(time.perf_counter() - started, 3), next_label=next_label,
-        set_token=info.token, asked_kind=asked_kind,
+        set_token=info.token, asked_kind=asked_kind, unit=info.unit_search,
     )
 
 

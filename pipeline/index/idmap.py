@@ -30,12 +30,20 @@ class IdMap:
 
     @classmethod
     def from_table(cls, table: pa.Table, where: str) -> IdMap:
-        if table.column_names[:2] != ["label", "id"]:
-            raise StorageError(f"{where} is not an id map (columns label, id)")
+        if table.column_names[:2] != ["label", "id"] or table.schema.field(0).type != pa.int64():
+            raise StorageError(f"{where} is not an id map (columns label int64, id)")
         labels = table.column("label").to_numpy()
         if len(labels) > 1 and not np.all(np.diff(labels) > 0):
             raise StorageError(f"{where}: labels are not strictly increasing")
-        return cls(labels, table.column("id").combine_chunks())
+        if len(labels) and labels[0] < 0:
+            raise StorageError(f"{where}: a label is negative")
+        ids = table.column("id").combine_chunks()
+        if not (pa.types.is_integer(ids.type) or pa.types.is_string(ids.type)
+                or pa.types.is_large_string(ids.type)):
+            raise StorageError(f"{where}: its ids are {ids.type}, not integers or strings")
+        if ids.null_count or pc.count_distinct(ids).as_py() != len(ids):
+            raise StorageError(f"{where}: its ids are not distinct, or some are null")
+        return cls(labels, ids)
 
     def to_table(self) -> pa.Table:
         return pa.table({"label": pa.array(self.labels, pa.int64()), "id": self.ids})

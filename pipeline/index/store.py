@@ -16,28 +16,31 @@ search parameters the loaded index takes, each within its bounds.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import faiss
+import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
-from pipeline.errors import StorageError
+from pipeline.errors import FingerprintError, StorageError
 from pipeline.index.handle import params_problem
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import NAMED_KINDS
 from pipeline.names import file_name, set_name
 from pipeline.settings import cache_root
 
+if TYPE_CHECKING:
+    from pipeline.sets import SetMeta
+
 MARKER = "_INDEX.json"
-_CHUNK = 1 << 22
 ABANDONED_DOWNLOAD_S = 3600.0  # a cache download untouched this long was killed mid-way
 MAX_LABEL = 1 << 62  # labels are int64: far below the overflow of any arithmetic on them
 
@@ -79,12 +82,36 @@ class IndexMeta(BaseModel):
     # the ``token`` of the set the index was built from (``SetMeta.token``): another one means
     # the set was removed and made again since
     set_token: str | None = None
+    # whether the vectors were scaled to unit length as they went in (``SetMeta.unit_search``);
+    # None: written before embedpipe recorded it
+    unit: bool | None = None
     built_at: float
     build_seconds: float
 
     @property
     def masked(self) -> int:
         return self.ntotal - self.rows
+
+
+def holds_set_vectors(meta: IndexMeta, info: SetMeta, out: str) -> None:
+    """An index holds vectors of one fingerprint and dimension, ranked by one metric over
+    vectors scaled one way: a set that says otherwise now (``_SET.json`` changed since) is
+    refused with a rebuild hint, not searched or caught up with vectors of another kind."""
+    found = (meta.fingerprint, meta.dim, meta.metric, meta.unit)
+    wanted = (info.fingerprint, info.dim, info.metric,
+              info.unit_search if meta.unit is not None else None)
+    if found != wanted:
+        raise FingerprintError(
+            f"index {index_url(out, info.name)} holds vectors of fingerprint {meta.fingerprint} "
+            f"(dim {meta.dim}, metric {meta.metric}{_scaled(meta.unit)}) but set "
+            f"{info.name!r} now has {info.fingerprint} (dim {info.dim}, metric {info.metric}"
+            f"{_scaled(wanted[3])}); rebuild it with `embedpipe index {out} --set {info.name} "
+            "--rebuild`"
+        )
+
+
+def _scaled(unit: bool | None) -> str:
+    return "" if unit is None else ", scaled to unit length" if unit else ", as stored"
 
 
 def index_url(out: str, name: str) -> str:
@@ -158,26 +185,21 @@ def publish(out: str, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> Inde
 
 
 def _stage(folder: Path, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> IndexMeta:
-    folder.mkdir(parents=True, exist_ok=True)
-    with storage.explained(str(folder), "write"):
-        faiss.write_index(index, str(folder / meta.index_file))
-        pq.write_table(idmap.to_table(), folder / meta.idmap_file, compression="zstd")
-        meta = meta.model_copy(update={"index_sha256": _sha256(folder / meta.index_file),
-                                       "idmap_sha256": _sha256(folder / meta.idmap_file)})
+    files = folder / meta.index_file, folder / meta.idmap_file
+    with storage.explained(str(folder), "write"):  # its mkdir too: OUT/index may be a file
+        folder.mkdir(parents=True, exist_ok=True)
+        faiss.write_index(index, str(files[0]))
+        pq.write_table(idmap.to_table(), files[1], compression="zstd")
+        meta = meta.model_copy(update={"index_sha256": storage.sha256(str(files[0])),
+                                       "idmap_sha256": storage.sha256(str(files[1]))})
         (folder / MARKER).write_text(meta.model_dump_json(indent=2))
     return meta
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _prune(dest: str, keep: set[str | None]) -> None:
-    for url in storage.list_files(dest):
+    """Remove the index and id map files of versions not in ``keep`` (files only: a folder
+    someone made there is theirs)."""
+    for url in storage.list_regular_files(dest):
         name = url.rsplit("/", 1)[-1]
         if not name.startswith(("index-", "idmap-")):
             continue
@@ -201,7 +223,7 @@ def local_files(out: str, meta: IndexMeta) -> tuple[Path, Path]:
 
 def _verify(path: Path, digest: str | None, shown: str) -> None:
     with storage.explained(shown, "read"):
-        found = _sha256(path)
+        found = storage.sha256(str(path))
     if found != digest:
         raise StorageError(
             f"{shown} does not match the SHA-256 in its {MARKER} (changed or damaged since "
@@ -260,9 +282,22 @@ def load(out: str, meta: IndexMeta) -> tuple[faiss.Index, IdMap]:
         except RuntimeError as exc:
             raise StorageError(f"cannot read FAISS index {index_path}: {exc}") from None
         table = pq.read_table(idmap_path)
-    problem = params_problem(index, meta.params)
+    params = params_problem(index, meta.params)
+    problem = _shape_problem(index, table, meta) or (params and f"params: {params}")
     if problem:
         marker = storage.join(index_url(out, set_name(meta.name)), MARKER)
-        raise StorageError(f"{marker}: params: {problem}; rebuild the index with "
+        raise StorageError(f"{marker}: {problem}; rebuild the index with "
                            f"`embedpipe index {out} --set {meta.name} --rebuild`")
     return index, IdMap.from_table(table, str(idmap_path))
+
+
+def _shape_problem(index: faiss.Index, idmap: pa.Table, meta: IndexMeta) -> str | None:
+    """Where the files, though their checksums match, disagree with ``meta``: a catch-up
+    would hand out labels the index holds, a search compare vectors of another width or by
+    another metric."""
+    found = {"dim": int(index.d), "ntotal": int(index.ntotal), "rows": idmap.num_rows,
+             "metric": "ip" if index.metric_type == faiss.METRIC_INNER_PRODUCT else "l2"}
+    for key, value in found.items():
+        if value != getattr(meta, key):
+            return f"{key} {getattr(meta, key)}, but its files hold {value}"
+    return None
