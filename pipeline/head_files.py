@@ -163,8 +163,7 @@ def _checked_size(url: str, folder: str) -> int:
 def _read_at_most(url: str, size: int) -> bytes:
     """The bytes of ``url``, whose checked (and bounded) size was ``size``: no more are read,
     and one ConfigError line says so if it has grown or shrunk since."""
-    fs, path = storage.filesystem(url)
-    with storage.explained(url, "read"), fs.open(path, "rb") as fh:
+    with storage.explained(url, "read"), storage.open_file(url) as fh:  # still a regular file
         raw = fh.read(size + 1)
     if len(raw) != size:
         raise ConfigError(f"pooling head {url} changed while it was read "

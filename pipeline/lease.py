@@ -33,7 +33,6 @@ import fcntl
 import hashlib
 import os
 import socket
-import stat
 import sys
 import threading
 import time
@@ -191,16 +190,16 @@ class _LocalStore:
         blocking and read only if it is a regular file: a FIFO or device put in its place
         would hang every writer, a huge file fill its memory."""
         try:
-            fd = os.open(self.url, os.O_RDONLY | os.O_NONBLOCK)
+            fh = storage.open_file(self.url)
         except FileNotFoundError:
             return None, None
+        except StorageError:  # not a regular file
+            raise StorageError(f"{self.url} is not a regular file, so not a writer lease; "
+                               "remove it") from None
         except OSError as exc:
             raise StorageError(f"cannot read {self.url}: {type(exc).__name__}: "
                                f"{exc}") from None
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise StorageError(f"{self.url} is not a regular file, so not a writer lease; "
-                                   "remove it")
+        with fh:
             try:
                 data = fh.read(MAX_LEASE_BYTES + 1)
             except OSError as exc:
