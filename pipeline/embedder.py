@@ -28,12 +28,13 @@ from pipeline.batching import slice_length, slice_rows, text_lengths, token_budg
 from pipeline.config import EncoderConfig, PoolerSpec, WindowAgg, stable_hash
 from pipeline.data import EmbeddingBatch, TextBatch
 from pipeline.encoder import Encoder, EncoderInfo, Prompt
+from pipeline.errors import NonFiniteVectors
 from pipeline.poolers import Pooler, build_pooler
 from pipeline.stages import prefetch
 from pipeline.stats import ShardStats
 from pipeline.token_rows import TokenRows
 from pipeline.torch_thread import on_torch_thread
-from pipeline.vectors import unit_rows
+from pipeline.vectors import nonfinite_rows, unit_rows
 from pipeline.windows import Pieces, windows
 
 
@@ -148,7 +149,18 @@ class Embedder:
         )
         raw = on_torch_thread(self._forward_pieces, tokens, pieces, stats)
         vectors = {name: self._finish(name, raw[name], pieces, rows) for name in raw}
+        self._check_finite(ids, vectors)
         return EmbeddingBatch(list(ids), vectors, stats)
+
+    def _check_finite(self, ids: list, vectors: dict[str, np.ndarray]) -> None:
+        """No vector with a NaN or infinity leaves the embedder (``NonFiniteVectors`` names
+        the pooler and the first of ``ids`` it failed on)."""
+        for name, matrix in vectors.items():
+            bad = nonfinite_rows(matrix)
+            if len(bad):
+                row = int(bad[0])
+                raise NonFiniteVectors(name, len(bad), row, f"text {ids[row]!r}",
+                                       self.encoder.dtype)
 
     def truncated(self, tokens: Tokens, pieces: Pieces | None = None) -> np.ndarray:
         """Which texts lose tokens to max_length (``pieces``: their ``plan``); none where

@@ -27,3 +27,21 @@ class FingerprintError(EmbedpipeError):
 
 class TokenLimitError(EmbedpipeError):
     """A text longer than the model's rows where the caller asked not to truncate."""
+
+
+class NonFiniteVectors(ModelError):
+    """A pooler gave vectors holding a NaN or an infinity (no search would find them): the
+    model's (or a pooling head's) weights hold one, or its activations overflow the dtype."""
+
+    def __init__(self, pooler: str, count: int, row: int, example: str, dtype: str) -> None:
+        self.pooler, self.count, self.row, self.dtype = pooler, count, row, dtype
+        super().__init__(self.explain(example))
+
+    def explain(self, example: str) -> str:
+        """The one line, with ``example`` naming a row whose vector is not finite
+        (``row``: its position in the batch)."""
+        cause = ("the model's weights hold NaN or infinity" if self.dtype == "fp32" else
+                 f"its activations overflow {self.dtype}, or the model's weights hold NaN or "
+                 "infinity: try --dtype fp32")
+        return (f"pooler {self.pooler!r} gave {self.count:,} vectors that are not finite "
+                f"(NaN or infinity), one for {example}: {cause}")

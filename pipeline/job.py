@@ -27,7 +27,7 @@ from pipeline import faults, storage
 from pipeline.batching import SLICE_ROWS, slice_length, text_lengths
 from pipeline.config import EmbedJob
 from pipeline.corpus import Chunk, arrow_id_type, read_shard
-from pipeline.errors import FingerprintError
+from pipeline.errors import FingerprintError, ModelError, NonFiniteVectors
 from pipeline.models.hashing import int8_hint
 from pipeline.reuse import StoredVectors
 from pipeline.sets import SetFolder, ShardHashes, ShardMarker, quarantine_url
@@ -154,7 +154,7 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     collected = _Collected(list(previous))
     for piece in prefetch(_read_slices(request, model, previous, reader, quarantine), depth=2):
         if len(piece.unique):
-            _encode(model, piece, encoded, stats)
+            _encode(model, piece, encoded, stats, request.shard.id)
         stats.encoded += len(piece.unique)
         stats.duplicates += len(piece.need) - len(piece.unique)
         stats.embedded += len(piece.need)
@@ -172,10 +172,16 @@ def embed_shard(request: ShardRequest) -> ShardResult:
                        seconds=time.perf_counter() - started)
 
 
-def _encode(model: _Model, piece: _Slice, encoded: _Encoded, stats: ShardStats) -> None:
+def _encode(model: _Model, piece: _Slice, encoded: _Encoded, stats: ShardStats, shard: str
+            ) -> None:
     """Stage 2: a slice's distinct new texts through the model, into the shard's store."""
     tick = time.perf_counter()
-    out = model.embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
+    try:
+        out = model.embedder.encode_tokens(piece.unique.tolist(), piece.tokens)
+    except NonFiniteVectors as exc:  # named by the row's id, in its shard
+        first = piece.ids[int(piece.unique[exc.row])].as_py()
+        raise ModelError(f"shard {shard}, not written: {exc.explain(f'id {first!r}')}"
+                         ) from exc
     stats.add_seconds("encode", time.perf_counter() - tick)
     stats.add(out.stats)
     encoded.add(out.vectors)

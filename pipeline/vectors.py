@@ -25,6 +25,11 @@ def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (unit_rows(a) * unit_rows(b)).sum(axis=1)
 
 
+def nonfinite_rows(vectors: np.ndarray) -> np.ndarray:
+    """Positions of the rows of ``vectors`` holding a NaN or an infinity (no search finds them)."""
+    return np.flatnonzero(~np.isfinite(vectors).all(axis=1))
+
+
 def vector_column(vectors: np.ndarray) -> pa.FixedSizeListArray:
     """A [rows, dim] matrix as a ``fixed_size_list<float32>[dim]`` column."""
     import pyarrow as pa
@@ -44,8 +49,8 @@ def vectors_of(column: pa.Array | pa.ChunkedArray, where: str, dim: int | None =
         raise StorageError(f"{where} has {column.null_count} null embeddings")
     flat = column.flatten().to_numpy(zero_copy_only=False)
     matrix = np.ascontiguousarray(flat.reshape(-1, dim or column.type.list_size), np.float32)
-    if not np.isfinite(matrix).all():
-        bad = int((~np.isfinite(matrix).all(axis=1)).sum())
+    bad = len(nonfinite_rows(matrix))
+    if bad:
         raise StorageError(f"{where} has {bad:,} embeddings that are not finite (NaN or "
                            "infinity); remove it and run embed again, which redoes them")
     return matrix
