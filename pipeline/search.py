@@ -104,6 +104,7 @@ class QueryEncoder:
                 f"set {info.name!r} was made with fingerprint {info.fingerprint} but its "
                 f"model and pooler load as {made} now (model files changed?); re-embed the set"
             )
+        _check_comparison(info, self.embedder.info.similarity, spec.normalize)
         self.lock = threading.Lock()  # one forward pass at a time per model
 
     def encode(self, queries: list[str]) -> np.ndarray:
@@ -111,6 +112,21 @@ class QueryEncoder:
         with self.lock:
             vectors = self.embedder.encode_queries(queries, self.info.pooler.get("name"))
         return unit_rows(vectors) if self.info.unit_search else vectors
+
+
+def _check_comparison(info: SetMeta, similarity: str, normalize: bool) -> None:
+    """How the set says its vectors compare (``similarity``, ``normalize``: which metric and
+    scaling search and its index use) is how its model and pooler compare them: neither is in
+    the fingerprint, so an edited ``_SET.json`` would otherwise rank by another measure
+    without a word. A set recorded before embedpipe kept its similarity is taken as it is."""
+    recorded = (info.similarity or similarity, info.normalize)
+    if recorded != (similarity, normalize):
+        raise FingerprintError(
+            f"set {info.name!r}: its _SET.json says similarity {recorded[0]} with normalize "
+            f"{str(info.normalize).lower()}, its model and pooler compare by {similarity} with "
+            f"normalize {str(normalize).lower()} (_SET.json edited?); restore it, or re-embed "
+            "the set"
+        )
 
 
 class Searcher:

@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from _flowkit import job, read_set, run_library, write_corpus
 from _st_models import Variant, real_texts, save_variant
 from conftest import build_tiny_bert
 
-from pipeline.errors import ConfigError, ModelError
+from pipeline.errors import ConfigError, FingerprintError, ModelError
+from pipeline.evaluate import evaluate_sets
 from pipeline.index import IndexRequest, index_set
 from pipeline.search import Searcher
 from pipeline.sets import SetFolder, SetMeta
@@ -41,7 +44,6 @@ def embedded_and_indexed(base: Path, root: Path, similarity: str | None) -> tupl
 
 def st_ranking(model: Path, out: Path) -> tuple[np.ndarray, np.ndarray]:
     """sentence-transformers' own top-5 ids and scores for QUERIES over the corpus."""
-    import pyarrow.parquet as pq
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(str(model), device="cpu")
@@ -109,11 +111,6 @@ def test_a_set_recorded_before_similarity_keeps_its_metric() -> None:
 def test_exact_evaluation_ranks_as_the_cosine_index(base: Path, tmp_path: Path) -> None:
     """Evaluation's exact search (queries and vectors scaled as the index scales them) and the
     flat index give every relevant document the same rank."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pipeline.evaluate import evaluate_sets
-
     model, out = embedded_and_indexed(base, tmp_path, None)
     top, _ = st_ranking(model, out)
     queries = tmp_path / "queries.parquet"  # relevant: sentence-transformers' top 3
@@ -123,3 +120,29 @@ def test_exact_evaluation_ranks_as_the_cosine_index(base: Path, tmp_path: Path) 
                     for e in (True, False))
     assert (exact.search, index.search) == ("exact", "index")
     assert exact.scores == index.scores and exact.scores["recall@5"] == 1.0
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    ({"similarity": "dot"}, "similarity dot with normalize false, its model and pooler compare "
+                            "by cosine with normalize false"),
+    ({"normalize": True}, "similarity cosine with normalize true, its model and pooler compare "
+                          "by cosine with normalize false"),
+])
+def test_a_set_json_whose_comparison_was_edited_is_refused_at_search(base: Path, tmp_path: Path,
+                                                                     edit: dict, says: str):
+    """``similarity`` and ``normalize`` are not in the fingerprint; an index built after the
+    edit matches the set, so only the set's own model can tell: search and evaluation ranked
+    by the edited measure without a word."""
+    _, out = embedded_and_indexed(base, tmp_path, None)
+    meta = out / "sets" / "model" / "_SET.json"
+    meta.write_text(json.dumps(json.loads(meta.read_text()) | edit))
+    index_set(IndexRequest(out=str(out), set_name="model", kind="flat", rebuild=True),
+              say=lambda _: None)
+    with pytest.raises(FingerprintError) as err:
+        Searcher(str(out), "model", snippets=False)
+    assert str(err.value) == (f"set 'model': its _SET.json says {says} (_SET.json edited?); "
+                              "restore it, or re-embed the set")
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": QUERIES[:1], "doc_id": [0]}), queries)
+    with pytest.raises(FingerprintError, match="_SET.json edited"):
+        evaluate_sets(str(out), str(queries), ["model"], k=5, exact=True)
