@@ -140,9 +140,14 @@ def _absolute(path: str, folder_only: bool = False) -> str:
     """A local path as an absolute one (``_SET.json`` records the corpus and model it names,
     and later runs, ``query`` and ``serve`` read them from other folders); URLs as given, and
     with ``folder_only`` anything but an existing folder (a Hugging Face model name)."""
-    if "://" in path or (folder_only and not os.path.isdir(path)):
+    from pipeline import storage  # fsspec and Arrow: not at import (the CLI's start)
+
+    if storage.is_remote(path):
         return path
-    return os.path.abspath(os.path.expanduser(path))
+    local = storage.local_path(path)
+    if folder_only and not os.path.isdir(local):
+        return path
+    return os.path.abspath(os.path.expanduser(local))
 
 
 def job_params(job: EmbedJob) -> dict:

@@ -167,7 +167,7 @@ class _LocalStore:
     """A local file; every swap under an exclusive flock on a hidden side file."""
 
     def __init__(self, out: str) -> None:
-        root = out.removeprefix("file://")
+        root = storage.local_path(out)
         self.url = os.path.join(root, LEASE_FILE)
         self._guard = os.path.join(root, ".lease.lock")
         with storage.explained(root, "create"):

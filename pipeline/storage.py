@@ -69,18 +69,34 @@ def is_s3(url: str) -> bool:
     return url.startswith(_S3_SCHEMES)
 
 
+# the spellings of a local path that fsspec's LocalFileSystem reads (it strips each): every
+# check of where a path lies must read them as the file system does, or a path spelled
+# ``file:/…`` would pass for one outside OUT and still be written inside it
+_LOCAL_SCHEMES = ("file://", "local://", "file:", "local:")
+
+
 def is_remote(url: str) -> bool:
-    return "://" in url and not url.startswith("file://")
+    """Whether ``url`` names a store rather than a local path (however that is spelled)."""
+    return ("://" in url or "::" in url) and not url.startswith(_LOCAL_SCHEMES)
+
+
+def local_path(url: str) -> str:
+    """The path a local ``url`` names: its scheme (``file://``, ``file:``, ``local://``,
+    ``local:``) removed as fsspec removes it."""
+    for scheme in _LOCAL_SCHEMES:
+        if url.startswith(scheme):
+            return url[len(scheme):]
+    return url
 
 
 def canonical(url: str) -> str:
     """One spelling per place: ``s3a://`` as ``s3://``, a local path as its real absolute
-    path (``file://``, ``./`` and links resolved), no trailing slash."""
+    path (its scheme, ``./`` and links resolved), no trailing slash."""
     if is_s3(url):
         return "s3://" + url.split("://", 1)[1].strip("/")
     if is_remote(url):
         return url.rstrip("/")
-    return os.path.realpath(url.removeprefix("file://"))
+    return os.path.realpath(local_path(url))
 
 
 def is_under(url: str, folder: str) -> bool:
@@ -123,7 +139,12 @@ def _env_token() -> str:
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem for ``url`` and the path inside it."""
+    """The fsspec filesystem for ``url`` and the path inside it. A chained URL
+    (``simplecache::file://…``) is refused: what it names, and so whether it lies inside
+    OUT or a corpus, is another file system's to say."""
+    if "::" in url:
+        raise StorageError(f"cannot open {url}: chained URLs are not supported; give a local "
+                           "path or an s3:// URL")
     if not is_s3(url):
         try:
             return url_to_fs(url)
@@ -298,7 +319,7 @@ def remove_stale_temporaries(url: str, older_than: float) -> int:
         return 0
     cutoff, removed = time.time() - older_than, 0
     with explained(url, "clean"):
-        for folder, dirs, files in os.walk(url.removeprefix("file://")):
+        for folder, dirs, files in os.walk(local_path(url)):
             stale = [(n, False) for n in files if n.startswith(TMP_PREFIX)]
             stale += [(n, True) for n in dirs if n.startswith(STAGING_PREFIX)]
             dirs[:] = [d for d in dirs if not d.startswith(STAGING_PREFIX)]
@@ -314,7 +335,7 @@ def refuse_linked_folders(url: str) -> None:
     first such link; ``url`` itself may be one, and other folders of it are left alone."""
     if is_remote(url):
         return
-    root = url.removeprefix("file://")
+    root = local_path(url)
     with explained(url, "check"):
         for top in WRITTEN_FOLDERS:
             _refuse_link(os.path.join(root, top), url)
@@ -358,7 +379,7 @@ def check_folder(url: str, what: str) -> None:
     line naming ``what`` it is for (before any work that would end writing there)."""
     if is_remote(url):
         return
-    path = Path(url.removeprefix("file://"))
+    path = Path(local_path(url))
     with explained(url, "check"):
         existing = next(p for p in (path, *path.parents) if p.exists())
         if not existing.is_dir():
@@ -544,7 +565,7 @@ def upload_dir(local: str | Path, url: str) -> None:
         key=lambda p: (p.name.startswith("_"), p.relative_to(src).as_posix()),
     )
     if not is_remote(url):
-        dest = Path(url.removeprefix("file://"))
+        dest = Path(local_path(url))
         if dest.resolve() == src.resolve():
             return
         for p in files:

@@ -246,16 +246,18 @@ def test_uint64_ids_beyond_int64_beside_signed_ids_are_refused_up_front(tmp_path
 
 
 @pytest.mark.parametrize("corpus, out", [
-    ("c", "c/out"),  # a folder corpus holding OUT: refused on the first run
-    ("c/**/*.parquet", "c/out"),  # a glob reaching into OUT: once OUT holds parts
-    ("c/out/../", "c/./out"),  # however either is spelled
+    ("{}/c", "{}/c/out"),  # a folder corpus holding OUT: refused on the first run
+    ("{}/c/**/*.parquet", "{}/c/out"),  # a glob reaching into OUT: once OUT holds parts
+    ("{}/c/out/../", "{}/c/./out"),  # however either is spelled,
+    ("file://{}/c", "file:{}/c/out"),  # with any scheme fsspec reads as a local path
+    ("{}/c", "local://{}/c/out"),
 ])
 def test_an_out_inside_the_corpus_is_refused(tmp_path, corpus, out):
     write_corpus(tmp_path / "c" / "a.parquet", [1], ["x"])
     write_corpus(tmp_path / "c" / "out" / "sets" / "mean" / "part-0.parquet", [2], ["y"])
     with pytest.raises(CorpusError, match=r"lies inside the corpus .*: its own parts would be "
                                           r"read as corpus"):
-        describe(str(tmp_path / corpus), "id", "text", out=str(tmp_path / out))
+        describe(corpus.format(tmp_path), "id", "text", out=out.format(tmp_path))
     (tmp_path / "c" / "out" / "sets" / "mean" / "part-0.parquet").unlink()
     assert describe(str(tmp_path / "c" / "a.parquet"), "id", "text",
                     out=str(tmp_path / "c" / "out")).rows == 1  # one file: nothing else read

@@ -464,3 +464,25 @@ def test_only_linked_folders_writers_write_in_are_refused(tmp_path):
     (out / "sets" / "mean" / "_done").symlink_to(elsewhere, target_is_directory=True)
     with pytest.raises(StorageError, match=r"_done' is a symbolic link to"):
         storage.refuse_linked_folders(str(out))
+
+
+@pytest.mark.parametrize("scheme", ["file://", "file:", "local://", "local:"])
+def test_every_spelling_of_a_local_path_is_that_path(tmp_path: Path, scheme: str) -> None:
+    """fsspec reads each scheme as a local path; so must every check of where a path lies
+    (``file:/…`` passed for a path outside OUT, and was written inside it)."""
+    plain = tmp_path / "out"
+    url = scheme + str(plain)
+    assert not storage.is_remote(url) and storage.canonical(url) == str(plain)
+    assert storage.is_under(f"{url}/sets/a.json", str(plain))
+    storage.write_bytes(f"{url}/sets/a.json", b"{}")  # atomic: through a temporary and rename
+    assert [p.name for p in (plain / "sets").iterdir()] == ["a.json"]
+    assert storage.read_bytes(f"{url}/sets/a.json") == b"{}"
+
+
+def test_a_chained_url_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    url = f"simplecache::file://{tmp_path}/a.json"
+    with pytest.raises(StorageError) as exc:
+        storage.write_bytes(url, b"{}")
+    assert one_line(exc) == (f"cannot open {url}: chained URLs are not supported; give a local "
+                             "path or an s3:// URL")
+    assert list(tmp_path.iterdir()) == []

@@ -172,7 +172,7 @@ def publish(out: str, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> Inde
             meta = _stage(Path(tmp), index, idmap, meta)
             storage.upload_dir(tmp, dest)  # files whose names start with "_" go last
     else:
-        folder = Path(dest.removeprefix("file://"))
+        folder = Path(storage.local_path(dest))
         staging = folder / f"{storage.STAGING_PREFIX}{meta.token}"
         try:
             meta = _stage(staging, index, idmap, meta)
@@ -214,7 +214,7 @@ def local_files(out: str, meta: IndexMeta) -> tuple[Path, Path]:
     src = index_url(out, set_name(meta.name))
     _checked(meta, meta.name, storage.join(src, MARKER))
     local = not storage.is_remote(src)
-    folder = Path(src.removeprefix("file://")) if local else _cached(src, meta)
+    folder = Path(storage.local_path(src)) if local else _cached(src, meta)
     for name, digest in ((meta.index_file, meta.index_sha256),
                          (meta.idmap_file, meta.idmap_sha256)):
         _verify(folder / name, digest, storage.join(src, name))
