@@ -235,6 +235,21 @@ def test_blank_rows_are_counted_not_hidden(tmp_path: Path) -> None:
     assert (len(pairs), pairs.skipped) == (38, 2)
 
 
+def test_pairs_in_files_of_string_and_large_string_are_read_together(tmp_path: Path) -> None:
+    """What pandas (string) and polars (large_string) write, in one folder: a traceback of
+    pyarrow's concat_tables (schemas differ) where embed and eval read such folders."""
+    import polars as pl
+
+    rows = make_pairs(40)
+    pq.write_table(rows.slice(0, 25), tmp_path / "a.parquet")
+    pl.from_arrow(rows.slice(25)).with_columns(grp=pl.lit(7)).write_parquet(tmp_path / "b.parquet")
+    assert pq.read_schema(tmp_path / "b.parquet").field("query").type == pa.large_string()
+    pairs = read_pairs(str(tmp_path), "query", "text", "grp")
+    assert (len(pairs), pairs.skipped) == (40, 0)
+    assert pairs.group[25:] == ["7"] * 15  # a group column of another type reads as text
+    assert [pairs.strings[i] for i in pairs.query] == rows.column("query").to_pylist()
+
+
 def test_one_group_cannot_be_split(tmp_path: Path, tiny_model_dir: Path) -> None:
     path = tmp_path / "one.parquet"
     pq.write_table(make_pairs(40).set_column(2, "grp", pa.array(["same"] * 40)), path)

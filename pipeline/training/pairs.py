@@ -6,7 +6,6 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from pipeline import storage
 from pipeline.errors import CorpusError
@@ -44,24 +43,23 @@ def read_pairs(url: str, query_column: str, text_column: str,
     columns = [query_column, text_column] + ([group_column] if group_column else [])
     if len(set(columns)) != len(columns):
         raise CorpusError(f"{url}: query, text and group columns must differ, got {columns}")
-    tables = []
-    for file in storage.expand_parquet(url):
-        names = storage.parquet_file(file).schema_arrow.names
+    values: dict[str, list] = {column: [] for column in columns}
+    for file in storage.expand_parquet(url):  # as Python values: the files' Arrow types
+        names = storage.parquet_file(file).schema_arrow.names  # may differ (large_string)
         missing = [c for c in columns if c not in names]
         if missing:
             raise CorpusError(
                 f"{file} has no column {', '.join(map(repr, missing))} "
                 f"(columns: {', '.join(names)})"
             )
-        tables.append(storage.read_parquet(file, columns=columns))
-    table = pa.concat_tables(tables)
-    return _index(table, query_column, text_column, group_column, url)
+        table = storage.read_parquet(file, columns=columns)
+        for column in columns:
+            values[column] += table.column(column).to_pylist()
+    queries, texts = values[query_column], values[text_column]
+    return _index(queries, texts, values[group_column] if group_column else queries, url)
 
 
-def _index(table: pa.Table, qcol: str, tcol: str, gcol: str | None, url: str) -> Pairs:
-    queries = table.column(qcol).to_pylist()
-    texts = table.column(tcol).to_pylist()
-    groups = table.column(gcol).to_pylist() if gcol else queries
+def _index(queries: list, texts: list, groups: list, url: str) -> Pairs:
     ids: dict[tuple[bool, str], int] = {}
     q_idx, t_idx, kept_groups = [], [], []
     for query, text, group in zip(queries, texts, groups, strict=True):
