@@ -1,11 +1,14 @@
-"""Where the server's API key and default set come from (pure functions, no server)."""
+"""Where the server's API key and default set come from, and which options it takes (no
+server starts)."""
 
 from __future__ import annotations
 
 import pytest
 
+from flows.cli import main
+from pipeline.config import parse
 from pipeline.errors import ConfigError
-from pipeline.server import api_key, choose_default
+from pipeline.server import ServerConfig, api_key, choose_default
 
 
 def test_the_key_comes_from_a_file_or_the_environment(tmp_path):
@@ -59,3 +62,25 @@ def test_the_default_set_is_never_guessed():
         choose_default(["a", "b"], None)
     with pytest.raises(ConfigError, match="--default-set 'c' is not served"):
         choose_default(["a", "b"], "c")
+
+
+@pytest.mark.parametrize(("option", "value", "reason"), [
+    # the reload thread died on its first wait (OverflowError), the server served on unreloaded
+    ("--reload-interval", "inf", "reload_interval_s: Input should be a finite number"),
+    ("--reload-interval", "1e300", "reload_interval_s: Input should be less than or equal to "
+                                   "86400"),
+    ("--reload-interval", "nan", "reload_interval_s: Input should be a finite number"),
+])
+def test_a_wait_no_thread_can_make_is_refused_at_the_start(tmp_path, capsys, option, value,
+                                                           reason):
+    assert main(["serve", str(tmp_path), option, value]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == f"embedpipe serve: error: invalid server options: {reason}", err
+
+
+@pytest.mark.parametrize("field", ["body_timeout_s", "queue_timeout_s", "keep_alive_s"])
+def test_every_wait_of_the_server_is_finite_and_at_most_a_day(field):
+    for value in (float("inf"), 86_401.0):
+        with pytest.raises(ConfigError, match=field):
+            parse(ServerConfig, {"out": "o", field: value}, "server options")
+    assert getattr(ServerConfig(out="o", **{field: 86_400.0}), field) == 86_400.0

@@ -318,7 +318,10 @@ def test_memory_budget_caps_training_pairs(pairs_path: str, tmp_path: Path,
     [({"kind": "attention", "out_dim": 8}, "out_dim needs an adapter"),
      ({"kind": "attention", "layers": [-1, -1]}, "layers must be distinct"),
      ({"kind": "pooling"}, "kind"),
-     ({"kind": "adapter", "memory_budget": "lots"}, "not a size: 'lots'")],
+     ({"kind": "adapter", "memory_budget": "lots"}, "not a size: 'lots'"),
+     # trained nothing ("best epoch 0") and still saved a head
+     ({"kind": "attention", "temperature": float("inf")}, "temperature: .* finite number"),
+     ({"kind": "attention", "lr": float("inf")}, "lr: .* finite number")],
 )
 def test_bad_options(options: dict, problem: str) -> None:
     from pipeline.config import parse

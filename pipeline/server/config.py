@@ -17,8 +17,11 @@ MAX_BATCH = 256
 KEY_FILE_ENV = "EMBEDPIPE_API_KEY_FILE"
 
 
+DAY_S = 86_400.0  # the longest wait a server option may name (a thread's wait cannot be inf)
+
+
 class ServerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     out: str
     sets: tuple[str, ...] = ()  # empty: every indexed set under OUT
@@ -31,14 +34,14 @@ class ServerConfig(BaseModel):
     max_inputs: int = Field(default=MAX_BATCH, gt=0, le=MAX_BATCH)  # texts per embedding call
     max_input_chars: int = Field(default=MAX_QUERY_CHARS, gt=0, le=MAX_QUERY_CHARS)
     max_body_bytes: int = Field(default=1_000_000, gt=0)
-    body_timeout_s: float = Field(default=10.0, gt=0)  # a slow body gets 408 after this
+    body_timeout_s: float = Field(default=10.0, gt=0, le=DAY_S)  # a slow body: 408 after it
     workers: int = Field(default=2, gt=0)
     queue: int = Field(default=16, ge=0)
-    queue_timeout_s: float = Field(default=5.0, gt=0)
+    queue_timeout_s: float = Field(default=5.0, gt=0, le=DAY_S)
     faiss_threads: int = Field(default=1, gt=0)
-    reload_interval_s: float = Field(default=2.0, ge=0)  # 0: never look for new generations
+    reload_interval_s: float = Field(default=2.0, ge=0, le=DAY_S)  # 0: never look for new ones
     max_connections: int = Field(default=64, gt=0)  # uvicorn answers 503 above this
-    keep_alive_s: float = Field(default=5.0, gt=0)
+    keep_alive_s: float = Field(default=5.0, gt=0, le=DAY_S)
     trust_remote_code: bool = False  # the operator's --trust-remote-code, never _SET.json's
 
 

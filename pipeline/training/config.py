@@ -33,7 +33,7 @@ def default_layers(kind: HeadKind, num_layers: int) -> tuple[int, ...]:
 class TrainConfig(BaseModel):
     """A pooling head trained on (query, text) pairs over a frozen encoder."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     pairs: str
     out: str
