@@ -194,12 +194,25 @@ def _index_found(out: str, name: str, queries: list[str], k: int,
 
 
 def _as_type(ids: pa.Array, id_type: pa.DataType) -> pa.Array:
-    """doc ids as the set's id type (a file of string ids for an int64 set, and so on)."""
+    """doc ids as the set's id type (a file of string ids for an int64 set, and so on); a
+    value that is no id of that type is one line naming the first such value. Booleans are
+    no ids (Arrow would take them for 0 and 1)."""
+    if pa.types.is_boolean(ids.type):
+        raise CorpusError(f"doc_id holds booleans, not ids of the set's id type {id_type}")
     try:
         return ids.cast(id_type)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        raise CorpusError(f"doc_id values such as {ids[0].as_py()!r} are not of the set's id "
-                          f"type {id_type}") from None
+        bad = next(v for v in ids.unique() if not _casts(v, id_type))
+        raise CorpusError(f"doc_id value {bad.as_py()!r} is not of the set's id type "
+                          f"{id_type}") from None
+
+
+def _casts(value: pa.Scalar, id_type: pa.DataType) -> bool:
+    try:
+        value.cast(id_type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return False
+    return True
 
 
 def write_ranks(frames: list[pl.DataFrame], url: str) -> None:

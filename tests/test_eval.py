@@ -168,6 +168,21 @@ def test_eval_scores_a_dictionary_encoded_queries_file(tmp_path, tiny_model_dir,
     assert result["queries"] == 6 and result["scores"]["recall@1"] == 1.0
 
 
+@pytest.mark.parametrize(("doc_ids", "says"), [
+    # the message named the first value ('100'), which is a fine int64
+    (["100", "x", "y"], "doc_id value 'x' is not of the set's id type int64"),
+    ([True, False, True], "doc_id holds booleans, not ids of the set's id type int64"),
+])
+def test_doc_ids_that_are_no_ids_of_the_set_are_named(tmp_path, tiny_model_dir, capsys, doc_ids,
+                                                      says):
+    """Booleans were scored as ids 1 and 0 without a word."""
+    out = embedded_set(tmp_path, tiny_model_dir)
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": TEXTS[:3], "doc_id": doc_ids}), queries)
+    assert main(["eval", str(out), str(queries), "--exact"]) != 0
+    assert capsys.readouterr().err.strip() == f"embedpipe eval: error: {says}"
+
+
 @pytest.mark.parametrize("search", ["--exact", "--no-exact"])
 def test_doc_ids_the_set_lacks_are_counted_as_misses_and_named(tmp_path, tiny_model_dir, capsys,
                                                                 search):
