@@ -59,7 +59,7 @@ def describe(url: str, id_column: str, text_column: str, out: str | None = None
                 f"(its columns: {', '.join(schema.names)}); pass --id-column/--text-column"
             )
         id_types[file_url] = _id_type(schema.field(id_column).type, file_url, id_column)
-        if not _holds_text(schema.field(text_column).type):
+        if not holds_text(schema.field(text_column).type):
             not_text[file_url] = schema.field(text_column).type
         if id_types[file_url] == pa.uint64() and not _signed_ids_fit(meta, id_column):
             unsigned.append(file_url)
@@ -169,7 +169,7 @@ def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
     )
 
 
-def _holds_text(dtype: pa.DataType) -> bool:
+def holds_text(dtype: pa.DataType) -> bool:
     """Whether a text column of ``dtype`` can hold text, however it is stored
     (``plain_text``): strings, or binary read as UTF-8 row by row. Any other type (numbers,
     lists, an all-null column) skips every row of its file as ``not_string``."""
@@ -416,13 +416,15 @@ def _texts(texts: pa.Array) -> list:
     if pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type):
         return texts.to_pylist()
     if pa.types.is_binary(texts.type) or pa.types.is_large_binary(texts.type):
-        return [_decode(v) for v in texts.to_pylist()]
+        return [text_value(v) for v in texts.to_pylist()]
     return [None if v is None else _NOT_STRING for v in texts.to_pylist()]
 
 
-def _decode(value: bytes | None) -> object:
-    if value is None:
-        return None
+def text_value(value: object) -> object:
+    """A text column's value as a run reads it: bytes decoded as UTF-8 (``_NOT_STRING`` where
+    they are not), anything else as it is."""
+    if not isinstance(value, bytes):
+        return value
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError:

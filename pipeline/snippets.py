@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import storage
-from pipeline.corpus import plain_text, text_reason
+from pipeline.corpus import holds_text, plain_text, text_reason, text_value
 from pipeline.errors import EmbedpipeError
 
 SNIPPET_CHARS = 200
@@ -64,7 +64,7 @@ class SnippetStore:
             if _kind(schema.field(self.id_column).type) != _kind(id_type):
                 return (f"{url}: column {self.id_column!r} is "
                         f"{schema.field(self.id_column).type}, but the set's ids are {id_type}")
-            if _kind(schema.field(self.text_column).type) != "string":
+            if not holds_text(schema.field(self.text_column).type):
                 return f"{url}: column {self.text_column!r} is not text"
         return None
 
@@ -182,12 +182,12 @@ def _embedded_text(value: object, row: int, ids: pa.Array, texts: pa.Array) -> s
     """The text a run embedded for ``value`` in this group: the first of its rows from ``row``
     on whose text is text with a visible character (``--dedupe`` keeps the first valid row of
     an id, not one a run skipped), or None if no row of this group holds one."""
-    text = texts[row].as_py()
+    text = text_value(texts[row].as_py())
     if text_reason(text) is None:
         return text
     same = pc.equal(ids, pa.scalar(value, ids.type)).to_numpy(zero_copy_only=False)
     for at in np.flatnonzero(same[row + 1:]) + row + 1:
-        text = texts[int(at)].as_py()
+        text = text_value(texts[int(at)].as_py())
         if text_reason(text) is None:
             return text
     return None

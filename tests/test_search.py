@@ -6,7 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from _flowkit import job, run_library
 from _search_sets import TEXTS, embedded_set
 
 from flows.cli import main
@@ -156,3 +159,22 @@ def test_index_command_runs_the_prefect_flow(tmp_path, tiny_model_dir, capsys, p
     assert "index mean: up to date" in capsys.readouterr().out
     assert main(["index", str(out), "--memory-budget", "lots"]) == 1
     assert "memory budget 'lots' is not a size" in capsys.readouterr().err
+
+
+def test_snippets_come_from_a_binary_text_column_as_the_run_read_it(tmp_path, tiny_model_dir):
+    """embed reads binary text as UTF-8; search called the same column "not text" and gave no
+    snippets. A row whose bytes are not UTF-8 was skipped by the run, so no snippet is its."""
+    corpus, out = tmp_path / "c.parquet", tmp_path / "out"
+    texts = [t.encode() for t in TEXTS[:6]]
+    pq.write_table(pa.table({"id": [1, 2, 3, 3, 4, 5], "text": pa.array(
+        [texts[0], texts[1], b"\xff\xfe not utf-8", texts[3], texts[4], texts[5]], pa.binary())}),
+        corpus)
+    summary = run_library(job(corpus, out, tiny_model_dir, dedupe=True))
+    assert (summary.rows, summary.skipped) == (5, {"not_string": 1})
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    searcher = Searcher(str(out))
+    assert searcher.snippet_note is None
+    embedded = {1: TEXTS[0], 2: TEXTS[1], 3: TEXTS[3], 4: TEXTS[4], 5: TEXTS[5]}
+    hits = searcher.search([TEXTS[3], TEXTS[0]], k=5)
+    assert [row[0].id for row in hits] == [3, 1]
+    assert [(h.id, h.snippet) for h in hits[0]] == [(h.id, embedded[h.id]) for h in hits[0]]
