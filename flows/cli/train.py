@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", required=True, choices=get_args(HeadKind))
     p.add_argument("--adapter", action="store_true", help="add a linear adapter after pooling")
     p.add_argument("--out-dim", type=int, help="output size of the adapter")
-    p.add_argument("--layers", help="comma-separated layers, e.g. -1,-2 (default: by kind)")
+    p.add_argument("--layers", help="comma-separated layers, e.g. --layers=-1,-2 (with the =: "
+                   "a value starting with - is read as an option otherwise; default: by kind)")
     p.add_argument("--model", help="model folder or cached HF name (default: the "
                    "installation's EMBEDPIPE_MODEL, else the packaged MiniLM)")
     p.add_argument("--device", choices=get_args(Device),
