@@ -142,7 +142,7 @@ def _absolute(path: str, folder_only: bool = False) -> str:
     with ``folder_only`` anything but an existing folder (a Hugging Face model name)."""
     from pipeline import storage  # fsspec and Arrow: not at import (the CLI's start)
 
-    if storage.is_remote(path):
+    if storage.is_remote(path) or not path.strip():  # "" is no path: the job refuses it
         return path
     local = storage.local_path(path)
     if folder_only and not os.path.isdir(local):

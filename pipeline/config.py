@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError
 from pipeline.names import SET_NAME
@@ -172,6 +172,13 @@ class EmbedJob(_Strict):
     quarantine: bool = False
     dedupe: bool = False
     lease_wait: LeaseWait = 0
+
+    @field_validator("corpus", "out")
+    @classmethod
+    def _named(cls, path: str) -> str:
+        if not path.strip():  # "" would be taken for the working folder
+            raise ValueError("is empty: name a local path or an s3:// URL")
+        return path
 
     @model_validator(mode="after")
     def _default_set(self) -> EmbedJob:

@@ -136,6 +136,9 @@ def _apart(url: str, urls: list[str], out: str, pattern: bool) -> None:
     under it): the run's own parts would be read as corpus the next time."""
     folder = not pattern and [storage.canonical(u) for u in urls] != [storage.canonical(url)]
     within = [u for u in urls if storage.is_under(u, out)]
+    if within and not (folder or pattern):  # one file, in what OUT's writers write and prune
+        raise CorpusError(f"the corpus file {within[0]} lies inside OUT {out}: keep the "
+                          "corpus outside OUT")
     if within or (folder and storage.is_under(out, url)):
         raise CorpusError(
             f"OUT {out} lies inside the corpus {url}: its own parts would be read as corpus; "

@@ -249,6 +249,11 @@ def test_paths_may_be_pathlib_and_names_a_single_str(tmp_path, tiny_model_dir):
      "queries must be a str or a list of texts, not NoneType"),
     (lambda t: embedpipe.evaluate(str(t / "o"), str(t / "q.parquet"), sets=3),
      "sets must be a str or a list of names, not int"),
+    # "" was taken for the working folder: "OUT o lies inside the corpus <cwd>"
+    (lambda t: embedpipe.embed("", str(t / "o")),
+     "invalid embedding job: corpus: Value error, is empty: name a local path or an s3:// URL"),
+    (lambda t: embedpipe.embed(str(t / "c.parquet"), " "),
+     "invalid embedding job: out: Value error, is empty: name a local path or an s3:// URL"),
 ])
 def test_arguments_of_the_wrong_kind_are_one_line_naming_them(tmp_path, call, reason):
     with pytest.raises(embedpipe.EmbedpipeError) as refused:

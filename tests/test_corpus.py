@@ -263,6 +263,15 @@ def test_an_out_inside_the_corpus_is_refused(tmp_path, corpus, out):
                     out=str(tmp_path / "c" / "out")).rows == 1  # one file: nothing else read
 
 
+def test_a_corpus_file_inside_out_is_refused_saying_so(tmp_path):
+    """It said "OUT … lies inside the corpus …/a.parquet": the other way round."""
+    path = write_corpus(tmp_path / "o" / "a.parquet", [1], ["x"])
+    with pytest.raises(CorpusError) as refused:
+        describe(str(path), "id", "text", out=str(tmp_path / "o"))
+    assert str(refused.value) == (f"the corpus file {path} lies inside OUT {tmp_path / 'o'}: "
+                                  "keep the corpus outside OUT")
+
+
 def test_truncated_file_is_named(tmp_path):
     path = write_corpus(tmp_path / "a.parquet", list(range(50)), [text_for(i) for i in range(50)])
     data = path.read_bytes()
