@@ -89,9 +89,19 @@ def local_path(url: str) -> str:
     return url
 
 
+def _refuse_chained(url: str) -> None:
+    """A chained URL (``simplecache::file://…``) is one line: what it names, and so whether
+    it lies inside OUT or a corpus, is another file system's to say."""
+    if "::" in url:
+        raise StorageError(f"cannot open {url}: chained URLs are not supported; give a local "
+                           "path or an s3:// URL")
+
+
 def canonical(url: str) -> str:
     """One spelling per place: ``s3a://`` as ``s3://``, a local path as its real absolute
-    path (its scheme, ``./`` and links resolved), no trailing slash."""
+    path (its scheme, ``./`` and links resolved), no trailing slash. A chained URL names no
+    place of its own: refused (``_refuse_chained``)."""
+    _refuse_chained(url)
     if is_s3(url):
         return "s3://" + url.split("://", 1)[1].strip("/")
     if is_remote(url):
@@ -139,12 +149,8 @@ def _env_token() -> str:
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem for ``url`` and the path inside it. A chained URL
-    (``simplecache::file://…``) is refused: what it names, and so whether it lies inside
-    OUT or a corpus, is another file system's to say."""
-    if "::" in url:
-        raise StorageError(f"cannot open {url}: chained URLs are not supported; give a local "
-                           "path or an s3:// URL")
+    """The fsspec filesystem for ``url`` and the path inside it (a chained URL refused)."""
+    _refuse_chained(url)
     if not is_s3(url):
         try:
             return url_to_fs(url)
