@@ -13,7 +13,15 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.errors import ConfigError
 from pipeline.names import SET_NAME
@@ -42,8 +50,16 @@ def resolve_layer(index: int, num_layers: int) -> int:
     return index % (num_layers + 1)
 
 
+# What a user stores (TOML, Prefect parameters, JSON) is taken at its type: `true` is no row
+# count and "no" no boolean (pydantic's lax mode reads them as 1 and false). STRICT is the
+# model config; a tuple field is AS_LIST: it takes the list JSON and TOML give, and its items
+# stay strict.
+STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+AS_LIST = Strict(False)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
 
 class PoolerSpec(_Strict):
@@ -55,9 +71,9 @@ class PoolerSpec(_Strict):
 
     name: str = Field(pattern=SET_NAME.pattern)
     strategy: str | None = None
-    layers: tuple[int, ...] = (-1,)
+    layers: Annotated[tuple[int, ...], AS_LIST] = (-1,)
     layer_combine: LayerCombine = "mean"
-    layer_weights: tuple[float, ...] | None = None
+    layer_weights: Annotated[tuple[float, ...], AS_LIST] | None = None
     normalize: bool = True
     truncate_dim: int | None = Field(default=None, gt=0)
     window_agg: WindowAgg | None = None
@@ -162,7 +178,7 @@ class EmbedJob(_Strict):
     # chosen for the final model and left unset, so a dump with exclude_unset chooses again
     # once installation settings fill in the model; a run then takes the sets already in OUT
     # instead where there are any (pipeline.assembly.keep_sets_current)
-    poolers: tuple[PoolerSpec, ...] = ()
+    poolers: Annotated[tuple[PoolerSpec, ...], AS_LIST] = ()
     id_column: str = "id"
     text_column: str = "text"
     rows_per_shard: int = Field(default=20_000, gt=0)

@@ -16,12 +16,13 @@ import json
 import math
 import os
 import struct
+from typing import Annotated
 
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from pipeline import storage
-from pipeline.config import HEAD_JSON, HEAD_WEIGHTS, HeadKind, resolve_layer
+from pipeline.config import AS_LIST, HEAD_JSON, HEAD_WEIGHTS, STRICT, HeadKind, resolve_layer
 from pipeline.errors import ConfigError
 
 MAX_JSON_BYTES = 1 << 20  # head.json and the safetensors header are small
@@ -29,13 +30,13 @@ MAX_LAYERS = 1024  # no encoder has more layers; a head reads each at most once
 
 
 class HeadConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
     kind: HeadKind
     hidden_size: int = Field(gt=0)
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
     model_hash: str
-    layers: tuple[int, ...] = (-1,)
+    layers: Annotated[tuple[int, ...], AS_LIST] = (-1,)
     max_positions: int = Field(default=512, gt=0)
     adapter: bool = False
     out_dim: int | None = Field(default=None, gt=0)

@@ -289,3 +289,17 @@ def test_a_huge_head_json_shape_reads_no_more_than_the_file(head_dir: Path,
     folder = copy_head(head_dir, tmp_path / "h", kind="positional", max_positions=10**13)
     with pytest.raises(ConfigError, match=r"does not match its head.json.*\[10000000000000\]"):
         load_head(str(folder))
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    ({"adapter": "no"}, "adapter: Input should be a valid boolean"),
+    ({"hidden_size": 32.0}, "hidden_size: Input should be a valid integer"),
+    ({"layers": [True]}, "layers.0: Input should be a valid integer"),
+])
+def test_a_head_json_value_of_another_type_is_refused(head_dir: Path, tmp_path: Path,
+                                                      change: dict, problem: str) -> None:
+    """head.json is read at its types: ``"no"`` is not false, ``32.0`` no width."""
+    folder = copy_head(head_dir, tmp_path / "h", **change)
+    with pytest.raises(ConfigError, match=problem) as err:
+        load_head(str(folder))
+    assert "head.json" in str(err.value) and "\n" not in str(err.value)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from pipeline.client import API_KEY_ENV, key_problem
+from pipeline.config import AS_LIST, STRICT
 from pipeline.errors import ConfigError
 from pipeline.ranking import MAX_K
 
@@ -21,10 +23,10 @@ DAY_S = 86_400.0  # the longest wait a server option may name (a thread's wait c
 
 
 class ServerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT | ConfigDict(allow_inf_nan=False)
 
     out: str
-    sets: tuple[str, ...] = ()  # empty: every indexed set under OUT
+    sets: Annotated[tuple[str, ...], AS_LIST] = ()  # empty: every indexed set under OUT
     default_set: str | None = None  # None: the only set, else `model`, else `mean`
     device: str | None = None
     api_key: SecretStr | None = None  # every route but /health needs `Bearer <key>`

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.config import CacheDType, EncoderConfig, HeadKind
+from pipeline.config import AS_LIST, STRICT, CacheDType, EncoderConfig, HeadKind
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -33,7 +34,7 @@ def default_layers(kind: HeadKind, num_layers: int) -> tuple[int, ...]:
 class TrainConfig(BaseModel):
     """A pooling head trained on (query, text) pairs over a frozen encoder."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT | ConfigDict(allow_inf_nan=False)
 
     pairs: str
     out: str
@@ -42,7 +43,7 @@ class TrainConfig(BaseModel):
     query_column: str = "query"
     text_column: str = "text"
     group_column: str | None = None
-    layers: tuple[int, ...] | None = None
+    layers: Annotated[tuple[int, ...], AS_LIST] | None = None
     adapter: bool = False
     out_dim: int | None = Field(default=None, gt=0)
     epochs: int = Field(default=10, gt=0)
