@@ -40,8 +40,11 @@ class NonFiniteVectors(ModelError):
     def explain(self, example: str) -> str:
         """The one line, with ``example`` naming a row whose vector is not finite
         (``row``: its position in the batch)."""
-        cause = ("the model's weights hold NaN or infinity" if self.dtype == "fp32" else
-                 f"its activations overflow {self.dtype}, or the model's weights hold NaN or "
-                 "infinity: try --dtype fp32")
+        weights = "the model's weights hold NaN or infinity"
+        cause = {"fp32": weights,
+                 # dynamic int8 scales each batch's activations: they cannot overflow it
+                 "int8": f"{weights}, or its int8 kernels gave them: try --dtype fp32",
+                 }.get(self.dtype, f"its activations overflow {self.dtype}, or {weights}: "
+                                   "try --dtype fp32")
         return (f"pooler {self.pooler!r} gave {self.count:,} vectors that are not finite "
                 f"(NaN or infinity), one for {example}: {cause}")
