@@ -116,10 +116,7 @@ def _head_config(folder: str) -> tuple[HeadConfig, bytes]:
     if size > MAX_JSON_BYTES:
         raise ConfigError(f"pooling head {url} is larger than {MAX_JSON_BYTES:,} bytes")
     data = _read_at_most(url, size)
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"pooling head {url} is not valid JSON: {exc}") from None
+    raw = storage.parse_json(data, f"pooling head {url}", ConfigError)
     if not isinstance(raw, dict):
         raise ConfigError(f"pooling head {url} is not a JSON object")
     from pipeline.config import parse
@@ -202,7 +199,7 @@ def _header(raw: bytes, length: int, url: str) -> tuple[dict[str, Entry], dict]:
     its metadata (string to string, ``{}`` where there is none)."""
     try:
         header = json.loads(raw[8:8 + length]) if length <= MAX_JSON_BYTES else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not JSON or UTF-8, nested too deep, a huge int
         header = None
     if not isinstance(header, dict):
         raise ConfigError(f"pooling head {url} is not a safetensors file (bad header)")

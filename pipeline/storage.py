@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
@@ -410,12 +410,18 @@ MAX_JSON_BYTES = 1 << 29  # 512 MiB: a changes file of tens of millions of delet
 
 
 def read_json(url: str) -> dict:
-    raw = read_bytes(url, MAX_JSON_BYTES)
+    return parse_json(read_bytes(url, MAX_JSON_BYTES), url, StorageError)
+
+
+def parse_json(raw: bytes | str, what: str, error: type[Exception]) -> Any:
+    """``raw`` parsed, or one ``error`` line naming ``what``: json.loads also raises
+    ValueError for bytes that are not UTF-8 and an int of 5,000 digits, RecursionError for
+    arrays nested too deep."""
     try:
         return json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, an int of 5,000 digits
+    except (ValueError, RecursionError) as exc:
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise StorageError(f"{url} is not valid JSON: {reason}") from None
+        raise error(f"{what} is not valid JSON: {reason}") from None
 
 
 def read_model(url: str, model: type[M], what: str) -> M | None:

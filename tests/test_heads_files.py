@@ -303,3 +303,31 @@ def test_a_head_json_value_of_another_type_is_refused(head_dir: Path, tmp_path: 
     with pytest.raises(ConfigError, match=problem) as err:
         load_head(str(folder))
     assert "head.json" in str(err.value) and "\n" not in str(err.value)
+
+
+def _header(folder: Path, text: str) -> None:
+    """``head.safetensors`` with ``text`` as its JSON header (and room for a tensor)."""
+    body = text.encode()
+    (folder / "head.safetensors").write_bytes(struct.pack("<Q", len(body)) + body + bytes(132))
+
+
+@pytest.mark.parametrize(("case", "problem"), [
+    ("json deep", "head.json is not valid JSON"),
+    ("json huge", "head.json is not valid JSON"),
+    ("header deep", "is not a safetensors file"),
+    ("header huge", "is not a safetensors file"),
+])
+def test_json_nested_too_deep_or_with_a_huge_number_is_one_line(
+        head_dir: Path, tmp_path: Path, case: str, problem: str) -> None:
+    """json.loads raises RecursionError and ValueError (Python's digit limit) beside
+    JSONDecodeError: each is the file's one line, never a traceback."""
+    folder = Path(shutil.copytree(head_dir, tmp_path / "h"))
+    text = "[" * 100_000 + "]" * 100_000 if case.endswith("deep") else (
+        '{"hidden_size": 1' + "0" * 5_000 + "}")
+    if case.startswith("json"):
+        (folder / "head.json").write_text(text)
+    else:
+        _header(folder, text)
+    with pytest.raises(ConfigError, match=problem) as err:
+        load_head(str(folder))
+    assert "\n" not in str(err.value) and len(str(err.value)) < 600

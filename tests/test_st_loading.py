@@ -77,6 +77,25 @@ def test_a_module_path_outside_the_folder_is_refused(copy: Path) -> None:
         embedder(copy)
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
+HUGE = '{"max_seq_length": 1' + "0" * 5_000 + "}"  # json.loads: ValueError (digit limit)
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("modules.json", DEEP),
+    ("config_sentence_transformers.json", DEEP),
+    ("sentence_bert_config.json", HUGE),
+    ("1_Pooling/config.json", HUGE),
+], ids=["modules deep", "prompts deep", "sbert huge", "pooling huge"])
+def test_json_nested_too_deep_or_with_a_huge_number_is_one_line(copy: Path, name: str,
+                                                                 text: str) -> None:
+    (copy / name).write_text(text)
+    with pytest.raises(ModelError, match="is not valid JSON") as err:
+        embedder(copy)
+    assert name in str(err.value) and "\n" not in str(err.value)
+    assert len(str(err.value)) < 600  # the reason is cut, not the file repeated
+
+
 def test_normalize_without_its_folder_still_normalises(copy: Path) -> None:
     shutil.rmtree(copy / "3_Normalize")  # as the packaged MiniLM ships it
     vectors = embedder(copy).encode(["no folder for Normalize", "x"])

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipeline.errors import ModelError
+from pipeline.storage import parse_json
 
 
 def read_json(path: Path, kind: type = dict) -> dict | list:
     """The parsed ``path``; a missing, unreadable or wrongly shaped file fails naming it."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ModelError(f"{path} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelError(f"{path} is not readable JSON: {exc}") from None
+    except OSError as exc:
+        raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from None
+    value = parse_json(raw, str(path), ModelError)
     if not isinstance(value, kind):
         raise ModelError(f"{path} must hold a JSON {kind.__name__}, not {type(value).__name__}")
     return value

@@ -7,7 +7,6 @@ any work. ``load_*`` then build what those files describe.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +15,7 @@ from pipeline.errors import ConfigError, ModelError
 from pipeline.models.dense import load_dense, read_dense_config
 from pipeline.models.folder import is_sentence_transformers, resolve_model_dir
 from pipeline.models.hashing import model_hash
+from pipeline.models.jsonfile import read_json
 from pipeline.models.modules import ModuleEntry, read_modules
 from pipeline.models.normalize import Normalize, check_normalize_config
 from pipeline.models.pooling import PoolingConfig, read_pooling_config
@@ -79,10 +79,7 @@ def refuse_remote_code(files: ModelFiles, trust_remote_code: bool) -> None:
         return
     for name in ("config.json", "tokenizer_config.json"):
         path = files.transformer_dir / name
-        try:
-            config = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot read {path}: {exc}") from None
+        config = read_json(path, object) if path.is_file() else {}
         if isinstance(config, dict) and config.get("auto_map"):
             raise ModelError(
                 f"model {files.folder}: its {name} asks to run code from the model folder "
