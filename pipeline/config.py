@@ -51,10 +51,11 @@ def resolve_layer(index: int, num_layers: int) -> int:
 
 
 # What a user stores (TOML, Prefect parameters, JSON) is taken at its type: `true` is no row
-# count and "no" no boolean (pydantic's lax mode reads them as 1 and false). STRICT is the
+# count and "no" no boolean (pydantic's lax mode reads them as 1 and false), and a number is
+# finite (JSON has no inf: Prefect would store a lease_wait of inf as null). STRICT is the
 # model config; a tuple field is AS_LIST: it takes the list JSON and TOML give, and its items
 # stay strict.
-STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 AS_LIST = Strict(False)
 
 

@@ -16,10 +16,11 @@ import json
 import math
 import os
 import struct
+from collections.abc import Collection
 from typing import Annotated
 
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, Field, model_validator
+from pydantic import AllowInfNan, BaseModel, Field, model_validator
 
 from pipeline import storage
 from pipeline.config import AS_LIST, HEAD_JSON, HEAD_WEIGHTS, STRICT, HeadKind, resolve_layer
@@ -41,7 +42,8 @@ class HeadConfig(BaseModel):
     adapter: bool = False
     out_dim: int | None = Field(default=None, gt=0)
     format_version: int = 1
-    metrics: dict[str, float] = Field(default_factory=dict)
+    # what training measured: a diverged run's loss may be NaN, and is kept as it was
+    metrics: dict[str, Annotated[float, AllowInfNan()]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_layers(self) -> HeadConfig:
@@ -99,6 +101,15 @@ CONFIG_KEY = "head_config"  # the safetensors metadata key of ``config_digest``
 def read_head_config(folder: str) -> HeadConfig:
     """``head.json`` of ``folder``, validated; one ConfigError line when it is not one."""
     return _head_config(folder)[0]
+
+
+def check_trained_for(folder: str, cfg: HeadConfig, model_hashes: Collection[str],
+                      model: str) -> None:
+    """Refuse a head trained for another encoder than ``model`` (whose hash is one of
+    ``model_hashes``): its weights read states they were not trained on."""
+    if cfg.model_hash not in model_hashes:
+        raise ConfigError(f"pooling head {folder} was trained for encoder {cfg.model_hash}, "
+                          f"not for {model} ({' or '.join(sorted(model_hashes))})")
 
 
 def head_file_digests(folder: str) -> list[str]:

@@ -1,10 +1,12 @@
-"""What a user stores is taken at its type: ``true`` is no row count and ``"no"`` no boolean.
+"""What a user stores is taken at its type: ``true`` is no row count, ``"no"`` no boolean and
+``inf`` no wait.
 
 Pydantic's lax mode read ``rows_per_shard = true`` as 1 (a shard per row) and
 ``normalize = "no"`` as false; every config a user writes (a job's TOML, Prefect's JSON
 parameters, a head's ``head.json``, the API's server and training options) now refuses
-them in one line naming the field, while the lists that TOML and JSON give for tuples
-still load.
+them in one line naming the field, and a number that is not finite too (JSON has none:
+Prefect stored a schedule's ``lease_wait`` of inf as null, and every run failed), while the
+lists that TOML and JSON give for tuples still load.
 """
 
 from __future__ import annotations
@@ -36,10 +38,14 @@ def _job_file(tmp_path: Path, text: str) -> str:
     ("[[poolers]]\nname = \"mean\"\nnormalize = \"no\"\n", "poolers.0.normalize"),
     ("[[poolers]]\nname = \"mean\"\nlayers = [-1, true]\n", "poolers.0.layers.1"),
     ("[[poolers]]\nname = \"mean\"\ntruncate_dim = \"16\"\n", "poolers.0.truncate_dim"),
+    # JSON has no inf: a schedule's parameters would hold null, and every run fail
+    ("lease_wait = inf\n", "lease_wait"),
+    ("[[poolers]]\nname = \"w\"\nstrategy = \"mean\"\nlayers = [-1, -2]\n"
+     "layer_combine = \"weighted\"\nlayer_weights = [1.0, nan]\n", "poolers.0.layer_weights.1"),
 ])
 def test_a_config_value_of_another_type_is_one_line_naming_it(tmp_path: Path, toml: str,
                                                               field: str) -> None:
-    with pytest.raises(ConfigError, match=f"{field}: Input should be a valid") as err:
+    with pytest.raises(ConfigError, match=f"{field}: Input should be a (valid|finite)") as err:
         build_job("corpus", str(tmp_path / "out"), config=_job_file(tmp_path, toml))
     assert "\n" not in str(err.value)
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr
 
 from pipeline.client import API_KEY_ENV, key_problem
 from pipeline.config import AS_LIST, STRICT
@@ -23,7 +23,7 @@ DAY_S = 86_400.0  # the longest wait a server option may name (a thread's wait c
 
 
 class ServerConfig(BaseModel):
-    model_config = STRICT | ConfigDict(allow_inf_nan=False)
+    model_config = STRICT
 
     out: str
     sets: Annotated[tuple[str, ...], AS_LIST] = ()  # empty: every indexed set under OUT

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pipeline.config import AS_LIST, STRICT, CacheDType, EncoderConfig, HeadKind
 
@@ -34,7 +34,7 @@ def default_layers(kind: HeadKind, num_layers: int) -> tuple[int, ...]:
 class TrainConfig(BaseModel):
     """A pooling head trained on (query, text) pairs over a frozen encoder."""
 
-    model_config = STRICT | ConfigDict(allow_inf_nan=False)
+    model_config = STRICT
 
     pairs: str
     out: str
