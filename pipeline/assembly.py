@@ -324,5 +324,24 @@ def check_runs(job: EmbedJob) -> None:
     from pipeline.models.loader import read_model_files, refuse_remote_code
 
     spec = resolve_job(job_params(job))
-    refuse_remote_code(read_model_files(spec.encoder.model), spec.encoder.trust_remote_code)
+    files = read_model_files(spec.encoder.model)
+    refuse_remote_code(files, spec.encoder.trust_remote_code)
     check_model_choices(spec)
+    _check_heads_fit(spec, files.model_hash())
+
+
+def _check_heads_fit(job: EmbedJob, files_hash: str) -> None:
+    """Each learned head was trained for the job's model, as ``Learned`` checks at every run's
+    model load, from ``head.json`` alone; under dtype int8 with the kernel chosen at load, for
+    any kernel (each has its own hash)."""
+    from pipeline.head_files import check_trained_for, read_head_config
+    from pipeline.models.hashing import INT8_SUFFIXES, quantized_hash
+
+    encoder = job.encoder
+    kernels = ([None] if encoder.dtype != "int8" else
+               list(INT8_SUFFIXES) if encoder.int8_kernel == "auto" else [encoder.int8_kernel])
+    fits = {quantized_hash(files_hash, kernel) for kernel in kernels}
+    for spec in job.poolers:
+        if spec.head is not None:
+            check_trained_for(spec.head, read_head_config(spec.head), fits,
+                              encoder.model or "the packaged all-MiniLM-L6-v2")

@@ -40,6 +40,8 @@ def _schedule(corpus: Path, out: Path, model: Path, *flags: str) -> tuple[int, l
     (["--cron", "61 2 * * *"], "invalid schedule --cron '61 2 * * *': not a valid cron"),
     (["--name", ""], "invalid deployment --name '': "),
     (["--name", "a/b"], "invalid deployment --name 'a/b': "),
+    # JSON has no inf: the deployment would hold null, and every run fail
+    (["--lease-wait", "inf"], "lease_wait: Input should be a finite number"),
 ])
 def test_bad_input_is_refused_before_the_server_is_asked(
         corpus: Path, tiny_model_dir: Path, tmp_path: Path, flags: list[str],
@@ -65,3 +67,21 @@ def test_an_unreachable_server_is_one_line_naming_its_url(corpus: Path, tiny_mod
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith("embedpipe schedule: error: cannot reach the Prefect server at "
                              f"{UNREACHABLE}")
+
+
+def test_a_head_trained_for_another_model_is_refused_before_the_server_is_asked(
+        corpus: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Every run would refuse it at its model load (``Learned``): the schedule does first."""
+    from pipeline.head_files import HeadConfig
+    from pipeline.poolers.heads import PoolingHead, save_head
+
+    head = tmp_path / "head"
+    save_head(PoolingHead(HeadConfig(kind="attention", hidden_size=32, num_layers=2,
+                                     model_hash="0" * 16)), str(head))
+    config = tmp_path / "job.toml"
+    config.write_text(f'[[poolers]]\nname = "learned"\nstrategy = "learned"\nhead = "{head}"\n')
+    code, err = _schedule(corpus, tmp_path / "out", tiny_model_dir, "--cron", "0 2 * * *",
+                          "--config", str(config))
+    assert code == 1 and len(err) == 1, err
+    assert f"pooling head {head} was trained for encoder {'0' * 16}, not for " in err[0]
+    assert UNREACHABLE not in err[0]

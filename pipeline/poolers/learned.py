@@ -7,7 +7,7 @@ import torch
 from pipeline.config import PoolerSpec
 from pipeline.encoder import EncoderInfo, TokenStates
 from pipeline.errors import ConfigError
-from pipeline.head_files import HeadConfig
+from pipeline.head_files import HeadConfig, check_trained_for
 from pipeline.models.head import ModelParts
 from pipeline.poolers.base import Pooler, register
 from pipeline.poolers.heads import load_head
@@ -64,8 +64,4 @@ def _check_encoder(spec: PoolerSpec, cfg: HeadConfig, info: EncoderInfo) -> None
             f"{cfg.hidden_size} and {cfg.num_layers} layers; this one has "
             f"{info.hidden_size} and {info.num_layers}"
         )
-    if cfg.model_hash != info.model_hash:
-        raise ConfigError(
-            f"pooling head {spec.head} was trained for encoder {cfg.model_hash}, "
-            f"not for {info.model} ({info.model_hash})"
-        )
+    check_trained_for(spec.head, cfg, {info.model_hash}, info.model)
