@@ -31,6 +31,7 @@ from pipeline.corpus import (
 )
 from pipeline.errors import CorpusError, FingerprintError
 from pipeline.job import SetWork, ShardRequest, ShardResult
+from pipeline.lease import check_held
 from pipeline.sets import (
     SetFolder,
     SetMeta,
@@ -407,6 +408,7 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
     """One set at a run's end: retire its unplanned shards, write its changes file (when
     generation ``g`` changed it) and ``_SET.json`` (the corpus where this run read it: search
     joins snippets from there); returns the new metadata and how many ids left the set."""
+    check_held(folder.out)  # a writer paused past its TTL records nothing into OUT
     markers, meta = folder.read_markers(), folder.meta()
     id_type = arrow_id_type(meta.id_type)
     _retire(folder, markers, planned, g, id_type)
@@ -425,6 +427,7 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
             "corpus": corpus,
         }
     )
+    check_held(folder.out)
     if changed:
         folder.write_changes(g, parts, deleted)
     folder.write_meta(meta)
@@ -441,6 +444,7 @@ def _retire(folder: SetFolder, markers: dict, planned: set[str], g: int,
     else it stayed for good."""
     gone = set(markers) | folder.unmarked_shards(markers)
     for sid in sorted(sid for sid in gone if sid not in planned):
+        check_held(folder.out)  # never retire what a writer that took OUT over wrote
         ids = folder.read_hashes(sid, id_type).ids
         folder.record_removed(g, sid, ids)
         folder.remove_marker(sid)

@@ -362,6 +362,53 @@ def test_a_writer_that_lost_out_writes_no_shard_into_it(out, tmp_path, tiny_mode
         taker.release()
 
 
+def test_a_writer_that_lost_out_records_no_run_in_it(out, tmp_path, tiny_model_dir):
+    """The run's writer stalls past its TTL after its shards (a GC, a frozen VM); another
+    takes OUT over, embeds the grown corpus and records its run. The stalled run's finalize
+    then stops: it retires none of the taker's shards and records nothing (it retired every
+    one of them and wrote its own _SET.json and changes file over the taker's)."""
+    from _flowkit import job, out_digest, run_library, text_for, write_corpus
+
+    from pipeline.config import EmbedJob, parse
+    from pipeline.embedder import get_embedder
+    from pipeline.job import embed_shard
+    from pipeline.lease import LeaseLost
+    from pipeline.run import finalize, prepare
+    from pipeline.sets import scan_set
+
+    corpus = tmp_path / "c"
+    write_corpus(corpus / "a.parquet", list(range(20)), [text_for(i) for i in range(20)])
+    given = job(corpus, out, tiny_model_dir, rows_per_shard=10)
+    run_library(given)
+    spec = parse(EmbedJob, given, "job")
+    with writer_lease(out, "embed") as stalled:
+        plan = prepare(spec, lambda: get_embedder(spec.encoder, spec.poolers),
+                       lease=stalled.token)
+        results = [embed_shard(r) for r in plan.requests]
+        stalled._stop.set()
+        stalled._thread.join()  # no renewals ...
+        time.sleep(TTL * 1.2)  # ... past its TTL
+        write_corpus(corpus / "b.parquet", list(range(100, 120)),
+                     [text_for(i) for i in range(100, 120)])
+        taker = child(f"""
+            sys.path.insert(0, {str(REPO / "tests")!r})
+            from _flowkit import run_library
+            with writer_lease({out!r}, "nightly"):
+                run_library({given!r})
+        """)
+        _, stderr = taker.communicate(timeout=300)
+        assert taker.returncode == 0, stderr
+        taken = out_digest(out) if not out.startswith("s3://") else None
+        ids = sorted(scan_set(out, "mean").collect()["id"].to_list())
+        assert ids == [*range(20), *range(100, 120)]
+        with pytest.raises(LeaseLost, match="to 'nightly'"):
+            finalize(plan, results, 1.0)
+    assert sorted(scan_set(out, "mean").collect()["id"].to_list()) == ids
+    if taken is not None:
+        assert out_digest(out) == taken  # not a file written, removed or changed
+    assert holder(out)["command"] == "nightly" and holder(out)["released"]
+
+
 def test_another_thread_of_the_process_is_another_writer(out):
     """Two threads of one process (a service calling ``embedpipe.embed`` from a pool) on one
     OUT: the second waits for the first, or fails naming it; the taker's own thread re-enters."""
