@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import unicodedata
 from collections import Counter
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.utils import glob_translate
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
@@ -131,19 +133,35 @@ def _signed_ids_fit(meta: pq.FileMetaData, id_column: str) -> bool:
     return True
 
 
+# files OUT's writers write that a glob could read back (pipeline.sets' layout)
+_OUT_FILES = ("sets/mean/part-0.parquet", "sets/mean/_hashes/0.parquet", "_quarantine/0.parquet")
+
+
 def _apart(url: str, urls: list[str], out: str, pattern: bool) -> None:
-    """One line where OUT lies inside the corpus (a folder corpus holding it, or corpus files
-    under it): the run's own parts would be read as corpus the next time."""
+    """One line where the corpus lies inside OUT (in what OUT's writers write and prune), or
+    OUT inside the corpus (a folder corpus holding it, corpus files under it, a glob that
+    will match its parts): the run's own parts would be read as corpus the next time."""
     folder = not pattern and [storage.canonical(u) for u in urls] != [storage.canonical(url)]
+    if storage.is_under(url, out):
+        what = "folder" if folder else "glob" if pattern else "file"
+        raise CorpusError(f"the corpus {what} {url} lies inside OUT {out}: keep the corpus "
+                          "outside OUT")
     within = [u for u in urls if storage.is_under(u, out)]
-    if within and not (folder or pattern):  # one file, in what OUT's writers write and prune
-        raise CorpusError(f"the corpus file {within[0]} lies inside OUT {out}: keep the "
-                          "corpus outside OUT")
+    if pattern and not within:  # OUT's parts are not there yet: the first run would pass and
+        within = _reached(url, out)  # every later one fail
     if within or (folder and storage.is_under(out, url)):
         raise CorpusError(
             f"OUT {out} lies inside the corpus {url}: its own parts would be read as corpus; "
             "put OUT outside the corpus folder"
         )
+
+
+def _reached(pattern_url: str, out: str) -> list[str]:
+    """The files OUT's writers will write that glob ``pattern_url`` would match."""
+    _, pattern = storage.filesystem(pattern_url)
+    _, base = storage.filesystem(out)
+    regex = re.compile(glob_translate(pattern))
+    return [storage.join(out, f) for f in _OUT_FILES if regex.match(f"{base.rstrip('/')}/{f}")]
 
 
 def _common_type(types: set[pa.DataType], kinds: set[str], beyond_int64: bool) -> str:

@@ -272,6 +272,30 @@ def test_a_corpus_file_inside_out_is_refused_saying_so(tmp_path):
                                   "keep the corpus outside OUT")
 
 
+@pytest.mark.parametrize(("corpus", "rows"), [("{}/c/**/*.parquet", 2),
+                                             ("{}/c/*/*/*/part-*.parquet", 1)])
+def test_a_glob_that_will_reach_outs_parts_is_refused_on_the_first_run(tmp_path, corpus, rows):
+    """OUT holds no parts yet: the first run passed and every later one failed."""
+    write_corpus(tmp_path / "c" / "a" / "x.parquet", [1], ["x"])
+    write_corpus(tmp_path / "c" / "a" / "b" / "d" / "part-0.parquet", [2], ["y"])
+    with pytest.raises(CorpusError, match=r"OUT .* lies inside the corpus .*: its own parts "
+                                          r"would be read as corpus"):
+        describe(corpus.format(tmp_path), "id", "text", out=str(tmp_path / "c" / "out"))
+    elsewhere = str(tmp_path / "elsewhere" / "out")  # the same glob, OUT out of its reach
+    assert describe(corpus.format(tmp_path), "id", "text", out=elsewhere).rows == rows
+
+
+@pytest.mark.parametrize("kind", ["folder", "glob"])
+def test_a_corpus_inside_out_is_refused_saying_so(tmp_path, kind):
+    """A corpus folder inside OUT was refused as "OUT … lies inside the corpus …"."""
+    write_corpus(tmp_path / "o" / "corpus" / "a.parquet", [1], ["x"])
+    corpus = tmp_path / "o" / "corpus" / ("" if kind == "folder" else "*.parquet")
+    with pytest.raises(CorpusError) as refused:
+        describe(str(corpus), "id", "text", out=str(tmp_path / "o"))
+    assert str(refused.value) == (f"the corpus {kind} {corpus} lies inside OUT "
+                                  f"{tmp_path / 'o'}: keep the corpus outside OUT")
+
+
 def test_truncated_file_is_named(tmp_path):
     path = write_corpus(tmp_path / "a.parquet", list(range(50)), [text_for(i) for i in range(50)])
     data = path.read_bytes()
