@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class Embedder:
 
     def __init__(self, encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> None:
         on_torch_thread(self._load, encoder, poolers)  # see pipeline.torch_thread
+        self.loaded_at = time.perf_counter()  # a shard that finds it newer than its ask loaded it
 
     def _load(self, encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> None:
         self.cfg = encoder

@@ -162,6 +162,8 @@ def embed_shard(request: ShardRequest) -> ShardResult:
     # rows every set took from its stored vectors: with ``embedded`` (rows some set encoded)
     # never more than the rows read, when one set is new and another done
     stats.reused = min(collected.reused.values(), default=0)
+    if model.load_seconds:
+        stats.add_seconds("load", model.load_seconds)
     stats = ShardStats.total([stats, reader])
     tick = time.perf_counter()
     _write_quarantine(request, quarantine)
@@ -279,11 +281,13 @@ class _Model:
         self.sets = request.sets
         self._embedder = None
         self._lock = threading.Lock()
+        self.load_seconds = 0.0  # where this shard loaded the model (a worker's first shard)
 
     @property
     def embedder(self):
         with self._lock:  # the reader thread and the encoder ask for it
             if self._embedder is None:
+                asked = time.perf_counter()
                 from pipeline.embedder import get_embedder  # torch only where work happens
                 from pipeline.torch_thread import on_torch_thread
 
@@ -291,6 +295,8 @@ class _Model:
                 embedder = get_embedder(self.job.encoder, self.job.poolers)
                 _check_fingerprints(embedder, self.sets)
                 self._embedder = embedder
+                if embedder.loaded_at > asked:  # not the worker's model of an earlier shard
+                    self.load_seconds = time.perf_counter() - asked
             return self._embedder
 
     def slice_end(self, texts: list[str], start: int) -> int:
@@ -353,8 +359,9 @@ def _read_slices(request: ShardRequest, model: _Model, previous: dict[str, Store
             tokens = None
             if len(unique):
                 texts = [chunk.texts[start + r] for r in unique.tolist()]
+                embedder = model.embedder  # the first ask loads it: the stage "load"
                 tick = time.perf_counter()
-                tokens = model.embedder.tokenize(texts)
+                tokens = embedder.tokenize(texts)
                 stats.add_seconds("tokenize", time.perf_counter() - tick)
             yield _Slice(ids, hashes, found, need, unique, source, tokens)
             start = end

@@ -14,7 +14,8 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel
 
-Stage = Literal["read", "tokenize", "encode", "write"]
+# load: the model, where a shard loads it (a worker process's first shard)
+Stage = Literal["load", "read", "tokenize", "encode", "write"]
 STAGES: tuple[Stage, ...] = get_args(Stage)  # a shard's stages, in order
 READER_STAGES: tuple[Stage, ...] = ("read", "tokenize")  # in the reader thread, beside encode
 
