@@ -106,11 +106,24 @@ def _run_shards(plan: RunPlan, progress: bool) -> list[ShardResult]:
         shard, exc = failure
         if isinstance(exc, EmbedpipeError):
             raise exc
+        how = ("its worker process died (killed, or out of memory)" if _worker_died(exc)
+               else f"failed after {TASK_RETRIES} retries")
         raise ShardFailed(
-            f"shard {shard} failed after {TASK_RETRIES} retries: {type(exc).__name__}: {exc}; "
+            f"shard {shard} {how}: {type(exc).__name__}: {exc}; "
             f"{len(results)}/{len(plan.requests)} shards finished, rerun to resume"
         ) from exc
     return results
+
+
+def _worker_died(exc: Exception) -> bool:
+    """Whether ``exc`` says a shard's worker process died: its task's retries died with it
+    (the processes runner), or Dask gave up after the workers it tried died."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    if isinstance(exc, BrokenProcessPool):
+        return True
+    killed = sys.modules.get("distributed")  # loaded where the Dask runner ran
+    return killed is not None and isinstance(exc, killed.KilledWorker)
 
 
 def _bar(plan: RunPlan, progress: bool) -> Any:

@@ -201,6 +201,22 @@ def test_process_and_dask_runners_match_threads(corpus, reference, tiny_model_di
         assert same_vectors(read_set(tmp_path / "out", name), ref, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_worker_process_that_dies_is_named_and_the_rerun_finishes(
+        corpus, reference, tiny_model_dir, tmp_path, monkeypatch):
+    """A SIGKILLed worker takes its task's retries with it: the error said "failed after 2
+    retries", none of which ran."""
+    spec = job(corpus[0], tmp_path / "out", tiny_model_dir, runner="processes", workers=1)
+    monkeypatch.setenv(faults.ENV, f"write_marker:1:1:{tmp_path / 'fp'}:kill")
+    with pytest.raises(ShardFailed, match=r"shard \S+ its worker process died \(killed, or out "
+                                          r"of memory\): BrokenProcessPool: .*rerun to resume"):
+        embed_flow(spec)
+    monkeypatch.delenv(faults.ENV)
+    summary = embed_flow(spec)
+    assert summary["rows"] == 57 and 0 < summary["shards_run"] < 4
+    assert same_vectors(read_set(tmp_path / "out", "mean"), reference[2]["mean"], atol=1e-6)
+
+
 def test_cli_embed_prints_a_summary_and_fails_in_one_line(corpus, tiny_model_dir, tmp_path,
                                                           capsys, monkeypatch):
     from flows.cli import main
