@@ -104,6 +104,7 @@ def local_api() -> Iterator[str | None]:
     """
     url = use_local_server()
     if url is None and _configured_api_url():
+        check_server()
         yield None  # the user's server: its settings stand
         return
     import prefect.context
@@ -125,6 +126,21 @@ def local_api() -> Iterator[str | None]:
         finally:
             if url is not None:
                 _drain()
+
+
+def check_server() -> None:
+    """The Prefect server at ``PREFECT_API_URL`` answers (a run's or a deployment's first
+    request): one line naming the URL, not the traceback of Prefect's "Failed to reach API"."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    with get_client(sync_client=True) as client:
+        failure = client.api_healthcheck()
+    if failure is not None:
+        text = str(failure).strip()
+        reason = f"{type(failure).__name__}: {text.splitlines()[0]}" if text else repr(failure)
+        raise ConfigError(f"cannot reach the Prefect server at {PREFECT_API_URL.value()} "
+                          f"(PREFECT_API_URL): {reason}")
 
 
 def _drain() -> None:

@@ -3,7 +3,8 @@ flow run) on a cron schedule, served by this process.
 
 What would fail every scheduled run is refused before anything is served: a bad --cron or
 --name, a model, pooler, device or dtype that the run's model load would refuse
-(``pipeline.assembly.check_runs``), and a Prefect server that does not answer (``check_server``)."""
+(``pipeline.assembly.check_runs``), and a Prefect server that does not answer
+(``flows.runtime.check_server``)."""
 
 from __future__ import annotations
 
@@ -56,21 +57,6 @@ def _check_name(name: str) -> None:
     if not name or any(c in name for c in BANNED_CHARACTERS):
         raise ConfigError(f"invalid deployment --name {name!r}: give a non-empty name "
                           f"without any of {' '.join(BANNED_CHARACTERS)}")
-
-
-def check_server() -> None:
-    """The Prefect server at ``PREFECT_API_URL`` answers (registering the deployment is its
-    first request): one line naming the URL, not httpx's traceback."""
-    from prefect import get_client
-    from prefect.settings import PREFECT_API_URL
-
-    with get_client(sync_client=True) as client:
-        failure = client.api_healthcheck()
-    if failure is not None:
-        text = str(failure).strip()
-        reason = f"{type(failure).__name__}: {text.splitlines()[0]}" if text else repr(failure)
-        raise ConfigError(f"cannot reach the Prefect server at {PREFECT_API_URL.value()} "
-                          f"(PREFECT_API_URL): {reason}")
 
 
 def serve(deployment: RunnerDeployment) -> None:

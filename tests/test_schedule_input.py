@@ -85,3 +85,22 @@ def test_a_head_trained_for_another_model_is_refused_before_the_server_is_asked(
     assert code == 1 and len(err) == 1, err
     assert f"pooling head {head} was trained for encoder {'0' * 16}, not for " in err[0]
     assert UNREACHABLE not in err[0]
+
+
+@pytest.mark.parametrize("command", ["embed", "index"])
+def test_a_run_on_a_server_that_does_not_answer_is_one_line_naming_it(
+        corpus: Path, tiny_model_dir: Path, tmp_path: Path, command: str) -> None:
+    """embed and index on a configured server gave Prefect's 117-line traceback."""
+    args = ([str(corpus), str(tmp_path / "out"), "--model", str(tiny_model_dir)]
+            if command == "embed" else [str(tmp_path / "out")])
+    if command == "index":  # a set to index: input checks come before the server's
+        from _flowkit import job, run_library
+
+        run_library(job(corpus, tmp_path / "out", tiny_model_dir))
+    env = {**os.environ, "PREFECT_API_URL": UNREACHABLE}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", command, *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(err) == 1, err
+    assert err[0].startswith(f"embedpipe {command}: error: cannot reach the Prefect server at "
+                             f"{UNREACHABLE} (PREFECT_API_URL): ")

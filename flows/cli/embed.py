@@ -121,7 +121,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     job = build_job(args.corpus, args.out, config=args.config, poolers=args.pooler,
                     **_options(args))
     check_input(job)
-    from flows.schedule import check_server, nightly_deployment, serve
+    from flows.runtime import check_server
+    from flows.schedule import nightly_deployment, serve
     from pipeline.assembly import check_runs
 
     deployment = nightly_deployment(job, args.cron, args.name, index=args.index)
