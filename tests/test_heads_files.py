@@ -80,7 +80,8 @@ def test_a_head_json_edited_since_its_weights_were_saved_is_refused(
 def test_what_does_not_change_vectors_may_change_and_old_heads_still_load(
         head_dir: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The recorded metrics, or the last layer named from the bottom (2) or the top (-1);
-    and a head saved before its weights carried the digest keeps its fingerprint."""
+    and a head saved before its weights carried the digest still loads, its head.json (not
+    bound to its weights) in its fingerprint beside them."""
     folder = copy_head(head_dir, tmp_path / "h")
     base, vectors = served(folder, tiny_model_dir)
     assert served(edit_head(folder, metrics={"val_mrr@10": 0.9}), tiny_model_dir)[0] == base
@@ -93,7 +94,12 @@ def test_what_does_not_change_vectors_may_change_and_old_heads_still_load(
     emb = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32"),
                    [PoolerSpec(name="learned", strategy="learned", head=str(older))])
     assert emb.poolers["learned"].identity() == {
-        "head_sha256": load_head(str(older)).weights_sha256}  # the weights alone, as before
+        "head_sha256": load_head(str(older)).weights_sha256,
+        "head_config": head_files.config_digest(load_head(str(older)).cfg)}
+    # its layers edited (same shapes: nothing else refuses it): other vectors, another set.
+    # The fingerprint stayed, and a set took the new layer's vectors beside the old ones.
+    edited, moved = served(edit_head(older, layers=[1]), tiny_model_dir)
+    assert edited != fingerprint and not np.allclose(moved, vectors, atol=1e-3)
 
 
 @pytest.mark.parametrize(("layers", "problem"), [

@@ -44,6 +44,8 @@ class PoolingHead(nn.Module):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.weights_sha256 = ""  # load_head: of the weights file read
+        self.config_sealed = True  # load_head: whether that file carries head.json's digest
         h = cfg.hidden_size
         if cfg.kind == "attention":
             self.scorer = nn.Linear(h, 1)
@@ -117,4 +119,5 @@ def load_head(folder: str,
         raise ConfigError(f"pooling head {folder}: {HEAD_WEIGHTS} holds weights that are not "
                           "finite (NaN or infinity): it is damaged; restore it or train again")
     head.weights_sha256 = hashlib.sha256(weights).hexdigest()[:16]
+    head.config_sealed = CONFIG_KEY in saved  # else head.json is not bound to the weights
     return head.eval()

@@ -27,8 +27,16 @@ class Learned(Pooler):
 
     def identity(self) -> dict:
         """The head's weights, whose file carries the digest of the head.json they were saved
-        with (``heads.load_head`` refuses another), so fingerprints made before stay valid."""
-        return {"head_sha256": self.pooling_head.weights_sha256}
+        with (``heads.load_head`` refuses another), so fingerprints made before stay valid; a
+        head saved before that digest adds its head.json's (an edit of its layers kept the
+        fingerprint, and a set took vectors of another layer beside its own)."""
+        head = self.pooling_head
+        identity = {"head_sha256": head.weights_sha256}
+        if not head.config_sealed:  # a head saved before the digest: head.json counts apart
+            from pipeline.head_files import config_digest
+
+            identity["head_config"] = config_digest(head.cfg)
+        return identity
 
     def layer_indices(self) -> tuple[int, ...]:
         return self.pooling_head.cfg.layers
