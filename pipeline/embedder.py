@@ -162,7 +162,7 @@ class Embedder:
             if len(bad):
                 row = int(bad[0])
                 raise NonFiniteVectors(name, len(bad), row, f"text {ids[row]!r}",
-                                       self.encoder.dtype)
+                                       self.encoder.dtype, self.specs[name].head)
 
     def truncated(self, tokens: Tokens, pieces: Pieces | None = None) -> np.ndarray:
         """Which texts lose tokens to max_length (``pieces``: their ``plan``); none where

@@ -33,14 +33,17 @@ class NonFiniteVectors(ModelError):
     """A pooler gave vectors holding a NaN or an infinity (no search would find them): the
     model's (or a pooling head's) weights hold one, or its activations overflow the dtype."""
 
-    def __init__(self, pooler: str, count: int, row: int, example: str, dtype: str) -> None:
-        self.pooler, self.count, self.row, self.dtype = pooler, count, row, dtype
+    def __init__(self, pooler: str, count: int, row: int, example: str, dtype: str,
+                 head: str | None = None) -> None:
+        self.pooler, self.count, self.row, self.dtype, self.head = pooler, count, row, dtype, head
         super().__init__(self.explain(example))
 
     def explain(self, example: str) -> str:
         """The one line, with ``example`` naming a row whose vector is not finite
         (``row``: its position in the batch)."""
         weights = "the model's weights hold NaN or infinity"
+        if self.head is not None:  # its weights are finite (load_head checks): its outputs
+            weights = f"the pooling head {self.head}'s outputs overflow, or {weights}"
         cause = {"fp32": weights,
                  # dynamic int8 scales each batch's activations: they cannot overflow it
                  "int8": f"{weights}, or its int8 kernels gave them: try --dtype fp32",

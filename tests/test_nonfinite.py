@@ -52,6 +52,26 @@ def test_the_embedder_refuses_vectors_that_are_not_finite(tiny_model_dir, tmp_pa
     assert err.value.row in (1, 2)
 
 
+def test_a_learned_head_whose_outputs_overflow_is_named(tiny_model_dir, tmp_path):
+    """Finite weights of 3e38 overflow the head's scores: it blamed the model's weights."""
+    from pipeline.head_files import HeadConfig
+    from pipeline.models.loader import read_model_files
+    from pipeline.poolers.heads import PoolingHead, save_head
+
+    head = PoolingHead(HeadConfig(kind="attention", hidden_size=32, num_layers=2,
+                                  model_hash=read_model_files(str(tiny_model_dir)).model_hash()))
+    with torch.no_grad():
+        head.scorer.weight.fill_(3e38)
+    save_head(head, str(tmp_path / "head"))
+    embedder = Embedder(EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu"),
+                        [PoolerSpec(name="learned", strategy="learned",
+                                    head=str(tmp_path / "head"))])
+    with pytest.raises(NonFiniteVectors) as err:
+        embedder.encode(["a quiet horse", "a small cat"])
+    assert str(err.value).endswith(f": the pooling head {tmp_path / 'head'}'s outputs overflow, "
+                                   "or the model's weights hold NaN or infinity")
+
+
 def _write(path: Path, ids: list[int], texts: list[str]) -> None:
     pq.write_table(pa.table({"id": ids, "text": texts}), path)
 
