@@ -168,11 +168,12 @@ def resolve_job(params: dict, keep_current: bool = True) -> EmbedJob:
     settings = load_settings()
     settings.export_env()
     if keep_current:
-        params = job_params(keep_sets_current(parse(EmbedJob, params, "embedding job")))
+        given = parse(EmbedJob, params, "embedding job")
+        params = job_params(keep_sets_current(given, settings.heads))
     return parse(EmbedJob, settings.apply_to_job(params), "embedding job")
 
 
-def keep_sets_current(job: EmbedJob) -> EmbedJob:
+def keep_sets_current(job: EmbedJob, heads: str | None = None) -> EmbedJob:
     """A job that names no pooler works on every set already in OUT: each with the pooler it
     was made with and, naming no model, with the encoder options that made their vectors
     (``_one_encoder``; options it does give stay as given). So the nightly run keeps a set
@@ -181,15 +182,16 @@ def keep_sets_current(job: EmbedJob) -> EmbedJob:
     set.
 
     Sets are taken only where ``_SET.json`` alone says how to make them again: a learned set's
-    head path is not taken from a file in OUT, and sets of different encoders cannot share
-    one run; either fails in one line asking for the sets by name."""
+    head path is taken from a file in OUT only inside ``heads``, the operator's folder of heads
+    (``EMBEDPIPE_HEADS``), and sets of different encoders cannot share one run; either fails
+    in one line asking for the sets by name."""
     if "poolers" in job.model_fields_set:
         return job
     metas = _stored_sets(job.out)
     if not metas:
         return job
     params = job.model_dump(mode="json", exclude_unset=True)
-    params["poolers"] = [_stored_pooler(job.out, meta) for meta in metas]
+    params["poolers"] = [_stored_pooler(job.out, meta, heads) for meta in metas]
     encoder = _one_encoder(job.out, metas, "name the sets to run (--pooler, [[poolers]])")
     if "model" not in job.encoder.model_fields_set:
         params["encoder"] = encoder | params.get("encoder", {})
@@ -203,14 +205,19 @@ def _stored_sets(out: str) -> list[SetMeta]:
     return [SetFolder(out, name).meta() for name in list_sets(out)]
 
 
-def _stored_pooler(out: str, meta: SetMeta) -> dict:
-    """The pooler spec a set's ``_SET.json`` records, checked as a job's would be."""
+def _stored_pooler(out: str, meta: SetMeta, heads: str | None) -> dict:
+    """The pooler spec a set's ``_SET.json`` records, checked as a job's would be; a learned
+    head's path only inside ``heads`` (links resolved)."""
+    from pipeline import storage
+
     where = f"set {meta.name!r} in {out}"
     spec = parse(PoolerSpec, meta.pooler | {"name": meta.name}, f"pooler recorded by {where}")
-    if spec.head is not None:
-        raise ConfigError(f"{where} pools with a learned head, whose path is never taken from "
-                          "OUT's files: name the sets to run (--pooler, [[poolers]] with "
-                          "its head)")
+    if spec.head is not None and not (heads and storage.is_under(spec.head, heads)):
+        outside = f"outside EMBEDPIPE_HEADS ({heads})" if heads else "and EMBEDPIPE_HEADS is unset"
+        raise ConfigError(f"{where} pools with the learned head {spec.head}, {outside}: a run "
+                          "takes a head's path from OUT's files only inside the folder "
+                          "EMBEDPIPE_HEADS names; keep the head there, or name the sets to run "
+                          "(--pooler, [[poolers]] with its head)")
     return spec.model_dump(mode="json")
 
 

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     s3_endpoint: str | None = None  # an S3-compatible store (MinIO); None = AWS
     cache: Path | None = None  # hardware probe cache; default ~/.cache/embedpipe
     lease_ttl: float | None = Field(default=None, ge=0.5, le=86_400)  # writer lease, s (60)
+    # learned heads the operator keeps here may be taken from a set's _SET.json by a run that
+    # names no pooler (the nightly); no other head path is ever read from OUT's files
+    heads: str | None = None
 
     @field_validator("dask_address")
     @classmethod

@@ -149,7 +149,8 @@ def test_sets_of_different_encoders_are_asked_for_by_name(tmp_path: Path, tiny_m
 
 
 @pytest.mark.parametrize(("change", "error"), [
-    ({"strategy": "learned", "head": "/elsewhere/head"}, "learned head, whose path is never"),
+    ({"strategy": "learned", "head": "/elsewhere/head"},
+     "learned head /elsewhere/head, and EMBEDPIPE_HEADS is unset: a run takes a head's path"),
     ({"layers": []}, "pooler recorded by set 'max'.*layers"),
 ])
 def test_a_stored_pooler_is_checked_before_it_is_run(tmp_path: Path, tiny_model_dir: Path,
@@ -200,3 +201,38 @@ def test_a_job_records_local_corpus_and_model_paths_absolute(tmp_path: Path, tin
     learned = build_job("c.parquet", "out", config=config, poolers=["l", "s3l"])
     assert [p.head for p in learned.poolers] == [str(tmp_path / "heads" / "att"),
                                                  "s3://bucket/heads/att"]
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_nightly_run_keeps_a_learned_set_current_whose_head_the_operator_keeps(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backfilled learned set stopped the nightly run for every set: its head's path was
+    never taken from _SET.json. It is, inside the operator's EMBEDPIPE_HEADS, links resolved."""
+    from pipeline.head_files import HeadConfig
+    from pipeline.models.loader import read_model_files
+    from pipeline.poolers.heads import PoolingHead, save_head
+
+    heads = tmp_path / "heads"
+    save_head(PoolingHead(HeadConfig(kind="attention", hidden_size=32, num_layers=2,
+                                     model_hash=read_model_files(str(tiny_model_dir))
+                                     .model_hash())), str(heads / "att"))
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "att").symlink_to(heads / "att")  # the path a set records: a link
+    learned = {"name": "learned", "strategy": "learned", "head": str(tmp_path / "root" / "att")}
+    corpus, out = _corpus(tmp_path / "c" / "a.parquet", 30), tmp_path / "out"
+    embed_flow(job(corpus, out, tiny_model_dir, poolers=[CLS]))
+    backfill_flow(job(corpus, out, tiny_model_dir, poolers=[learned]))
+    _corpus(corpus, 45)
+    nightly = _unnamed(job(corpus, out, tiny_model_dir))
+    with pytest.raises(ConfigError, match="EMBEDPIPE_HEADS is unset"):
+        nightly_flow(nightly)
+    monkeypatch.setenv("EMBEDPIPE_HEADS", str(tmp_path / "root"))  # the link leads out of it
+    with pytest.raises(ConfigError, match=r"outside EMBEDPIPE_HEADS \("):
+        nightly_flow(nightly)
+    monkeypatch.setenv("EMBEDPIPE_HEADS", str(heads))
+    summary = nightly_flow(nightly)
+    assert summary["sets"] == ["cls", "learned"] and summary["embedded"] == 15
+    fresh = tmp_path / "fresh"
+    embed_flow(job(corpus, fresh, tiny_model_dir, poolers=[CLS, learned]))
+    for name in ("cls", "learned"):
+        assert same_vectors(read_set(out, name), read_set(fresh, name), atol=1e-5)
