@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from pipeline import ranking, storage
 from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, CorpusError, StorageError
-from pipeline.sets import SetFolder, SetMeta
+from pipeline.sets import SetFolder, SetMeta, repeated_ids
 
 EXACT_MAX_BYTES = 2 << 30  # sets up to this many bytes of vectors are scored exactly by default
 SEARCH_BATCH = 256  # queries encoded and searched at once
@@ -166,6 +166,7 @@ def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,
         top.add(np.arange(offset, offset + len(batch_vectors)), batch_vectors)
         ids.append(batch_ids)
         offset += len(batch_vectors)
+    repeated_ids(ids, info.name, out, then=", then eval")  # a doc would be found twice
     positions = top.result()
     every_id = pa.concat_arrays(ids) if ids else pa.array([], arrow_id_type(info.id_type))
     docs = pl.from_arrow(every_id)

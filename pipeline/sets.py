@@ -38,6 +38,8 @@ from typing import Annotated, NamedTuple
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from pipeline import storage
@@ -265,6 +267,28 @@ def check_part_schema(url: str, schema: pa.Schema, dim: int, id_type: pa.DataTyp
         )
 
 
+def check_ids(ids: pa.Array | pa.ChunkedArray, url: str) -> pa.Array | pa.ChunkedArray:
+    """A part's ids, refused by name where one is null (no row of a set lacks its id)."""
+    if ids.null_count:
+        raise StorageError(f"{url}: {ids.null_count:,} of its ids are null; restore the part, "
+                           "or remove its done marker so that embed redoes the shard")
+    return ids
+
+
+def repeated_ids(ids: Iterable[pa.Array | pa.ChunkedArray], name: str, out: str,
+                 then: str = "") -> None:
+    """Refuse a set whose parts hold one id more than once, naming one such id."""
+    chunks = [c for column in ids for c in getattr(column, "chunks", [column])]
+    if not chunks:
+        return
+    counts = pc.value_counts(pa.chunked_array(chunks))
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+    if len(repeated):
+        repeated = repeated.to_pylist()[:3]
+        raise StorageError(f"set {name!r} in {out} holds ids more than once (e.g. {repeated}); "
+                           f"a run is still writing or did not finish: rerun it{then}")
+
+
 def part_name(shard: str) -> str:
     return f"{PART_PREFIX}{file_name(shard, 'a shard id')}.parquet"
 
@@ -426,22 +450,59 @@ class SetFolder:
         written = self.written_shards() | {file_name(h, self.url) for h in hashed}
         return written - set(self.marked_shards() if markers is None else markers)
 
-    def scan(self) -> pl.LazyFrame:
-        """The set's parts as one polars LazyFrame with columns ``id`` and ``embedding``."""
-        meta = self.meta()
+    def checked_parts(self, meta: SetMeta, names: list[str] | None = None
+                      ) -> list[tuple[str, pq.FileMetaData]]:
+        """The done parts (``part_urls``; ``names``: those of them alone) with their footers,
+        each checked against the set (``check_part_schema``) and against its shard's done
+        marker: a part of other rows than its shard was done with is not the set's."""
         urls = self.part_urls()
+        if names is not None:  # in their order, where they are still done parts
+            done = set(urls)
+            urls = [url for url in map(self.url_of, names) if url in done]
+        markers = self.read_markers() if urls else {}
+        found = []
+        for url in urls:
+            pf = storage.parquet_file(url)
+            check_part_schema(url, pf.schema_arrow, meta.dim, arrow_id_type(meta.id_type))
+            marker = markers.get(shard_of(url.rsplit("/", 1)[-1]) or "")
+            if marker is not None and pf.metadata.num_rows != marker.rows:
+                raise StorageError(
+                    f"{url} holds {pf.metadata.num_rows:,} rows, its shard was done with "
+                    f"{marker.rows:,}: it is not the part that shard wrote; restore it, or remove "
+                    f"{self._marker_url(marker.shard)} so that embed redoes the shard")
+            found.append((url, pf.metadata))
+        return found
+
+    def scan(self) -> pl.LazyFrame:
+        """The set's parts as one polars LazyFrame with columns ``id`` and ``embedding``, after
+        a pass over them: each checked as ``checked_parts`` does, no null id, no null, NaN or
+        infinite vector, no id twice (one line naming what is wrong, never such rows)."""
+        meta = self.meta()
+        urls = [url for url, _ in self.checked_parts(meta)]
         if not urls:
             empty = pa.table({"id": pa.array([], arrow_id_type(meta.id_type)),
                               "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
             return pl.from_arrow(empty).lazy()
-        for url in urls:  # one line naming a part polars would fail to stack, at collect
-            check_part_schema(url, storage.parquet_file(url).schema_arrow, meta.dim,
-                              arrow_id_type(meta.id_type))
+        repeated_ids((self._checked_rows(url, meta.dim) for url in urls), self.name, self.out)
         with storage.explained(self.url, "read"):
             # the parts' own names, not patterns: an OUT named "run [1]" reads as it is
             frame = pl.scan_parquet(urls, glob=False,
                                     storage_options=storage.polars_options(self.url))
         return frame.select("id", "embedding")
+
+    @staticmethod
+    def _checked_rows(url: str, dim: int) -> pa.ChunkedArray:
+        """A part's ids, once its rows are checked (``check_ids``, ``vectors_of``) a row
+        group at a time."""
+        pf = storage.parquet_file(url)
+        ids = []
+        with storage.explained(url, "read"):
+            for group in range(pf.metadata.num_row_groups):
+                table = pf.read_row_group(group, columns=["id", "embedding"])
+                ids.append(check_ids(table.column("id"), url))
+                vectors_of(table.column("embedding"), url, dim)
+        return pa.chunked_array([c for column in ids for c in column.chunks],
+                                pf.schema_arrow.field("id").type)
 
     def write_part(self, shard: str, ids: pa.Array, vectors: np.ndarray) -> str:
         """Write one part atomically; returns its file name."""

@@ -235,3 +235,24 @@ def test_a_report_inside_out_is_refused_before_scoring_and_out_is_unchanged(
     assert len(err.splitlines()) == 1 and says.format(out) in err, err
     assert target.read_bytes() == before
     assert main(["eval", str(out), str(queries), option, str(tmp_path / "report")]) == 0
+
+
+@pytest.mark.parametrize("case", ["repeated", "null id"])
+def test_exact_eval_refuses_a_part_with_a_repeated_or_null_id(tmp_path, tiny_model_dir, capsys,
+                                                               case):
+    """A part holding one id on every row was scored (recall 0.0), its rows found as one doc."""
+    out = embedded_set(tmp_path / "a", tiny_model_dir)
+    part = sorted((out / "sets" / "mean").glob("part-*.parquet"))[0]
+    table_ = pq.read_table(part)
+    ids = [table_.column("id")[0].as_py()] * table_.num_rows
+    if case == "null id":
+        ids = [None, *table_.column("id").to_pylist()[1:]]
+    pq.write_table(table_.set_column(0, "id", pa.array(ids, table_.schema.field("id").type)),
+                   part)
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": TEXTS[:2], "doc_id": [100, 101]}), queries)
+    assert main(["eval", str(out), str(queries), "--set", "mean", "--exact"]) == 1
+    err = capsys.readouterr().err.strip()
+    problem = ("holds ids more than once" if case == "repeated" else
+               f"{part}: 1 of its ids are null")
+    assert "\n" not in err and problem in err, err

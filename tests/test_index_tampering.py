@@ -98,6 +98,41 @@ def test_a_part_holding_nan_vectors_is_refused_naming_it(out):
         build(out, rebuild=True)
 
 
+def _tamper(part: Path, case: str) -> str:
+    """``part`` (100 rows) rewritten as ``case``; the line each reader must give."""
+    table = pq.read_table(part)
+    if case == "nan":
+        flat = np.ones((table.num_rows, 8), np.float32)
+        flat[3, 2] = np.nan
+        table = table.set_column(1, "embedding",
+                                 pa.FixedSizeListArray.from_arrays(pa.array(flat.ravel()), 8))
+        problem = f"{part} has 1 embeddings that are not finite"
+    elif case == "null id":
+        ids = table.column("id").to_pylist()
+        table = table.set_column(0, "id", pa.array([None, *ids[1:]], pa.int64()))
+        problem = f"{part}: 1 of its ids are null"
+    elif case == "short":  # another part's rows: its marker says 100
+        table = table.slice(0, 60)
+        problem = f"{part} holds 60 rows, its shard was done with 100"
+    else:  # every row the same id
+        table = table.set_column(0, "id", pa.array([0] * table.num_rows, pa.int64()))
+        problem = "set 's' in .* holds ids more than once \\(e.g. \\[0\\]\\)"
+    pq.write_table(table, part)
+    return problem
+
+
+@pytest.mark.parametrize("case", ["nan", "null id", "short", "repeated"])
+def test_a_damaged_part_is_refused_by_every_reader_naming_it(out, case):
+    """read_set returned the rows of each as they were (a NaN vector, a null id, 60 rows of a
+    shard done with 100, one id 100 times); the index built over the null id and the short
+    part."""
+    problem = _tamper(out / "sets" / "s" / "part-00001.parquet", case)
+    with pytest.raises(StorageError, match=problem):
+        SetFolder(str(out), "s").scan()
+    with pytest.raises(StorageError, match=problem):
+        build(out, rebuild=True)
+
+
 def test_an_index_json_counting_fewer_vectors_than_its_files_is_refused(out):
     """A catch-up took ``next_label`` from it and handed out labels masked rows still held,
     then published an index every reader refused."""

@@ -46,7 +46,7 @@ from pipeline.index.plan import (
 from pipeline.index.setdata import Part, SetVectors
 from pipeline.index.tune import tune
 from pipeline.lease import check_held
-from pipeline.sets import SetChanges, SetFolder, SetMeta, list_sets, shard_of
+from pipeline.sets import SetChanges, SetFolder, SetMeta, list_sets, repeated_ids, shard_of
 
 log = logging.getLogger("embedpipe.index")
 MAX_MASKED_SHARE = 0.2  # above this share of dead rows in an index that cannot delete: rebuild
@@ -313,12 +313,7 @@ def _id_type(parts: list[Part]) -> pa.DataType:
 
 
 def _refuse_duplicates(idmap: IdMap, info: SetMeta, out: str) -> None:
-    repeated = idmap.duplicates()
-    if repeated:
-        raise StorageError(
-            f"set {info.name!r} in {out} holds ids more than once (e.g. {repeated}); "
-            "a run is still writing or did not finish: rerun it, then index"
-        )
+    repeated_ids([idmap.ids], info.name, out, then=", then index")
 
 
 def _meta(req: IndexRequest, info: SetMeta, budget: int, estimate: int, handle: IndexHandle,

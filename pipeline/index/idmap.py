@@ -86,9 +86,3 @@ class IdMap:
         if len(self.labels):
             live &= self.labels[pos] == flat
         return pos.reshape(np.shape(labels)), live.reshape(np.shape(labels))
-
-    def duplicates(self, limit: int = 3) -> list:
-        """A few corpus ids that appear more than once (a set must hold each id once)."""
-        counts = pc.value_counts(self.ids)
-        repeated = counts.filter(pc.greater(counts.field("counts"), 1))
-        return repeated.field("values").to_pylist()[:limit]

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipeline import storage
-from pipeline.corpus import arrow_id_type
-from pipeline.sets import SetFolder, SetMeta, check_part_schema
+from pipeline.sets import SetFolder, SetMeta, check_ids
 from pipeline.vectors import unit_rows, vectors_of
 
 
@@ -40,10 +40,7 @@ class SetVectors:
     def of(cls, folder: SetFolder, info: SetMeta, names: list[str] | None = None) -> SetVectors:
         """Every part of the set (``names``: those parts alone, where they still exist),
         checked against its ``_SET.json``."""
-        urls = (folder.part_urls() if names is None else
-                [folder.url_of(n) for n in names if storage.exists(folder.url_of(n))])
-        id_type = arrow_id_type(info.id_type)
-        parts = [open_part(url, info.dim, id_type) for url in urls]
+        parts = [_part(url, meta) for url, meta in folder.checked_parts(info, names)]
         return cls(parts, info.dim, info.unit_search)
 
     @property
@@ -56,7 +53,8 @@ class SetVectors:
             pf = storage.parquet_file(part.url)
             with storage.explained(part.url, "read"):
                 for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", "embedding"]):
-                    yield batch.column(0), self._vectors(batch.column(1), part.url)
+                    yield (check_ids(batch.column(0), part.url),
+                           self._vectors(batch.column(1), part.url))
 
     def gather(self, positions: np.ndarray) -> tuple[pa.Array, np.ndarray]:
         """The rows at sorted global ``positions`` (over parts in order), reading only their
@@ -72,7 +70,7 @@ class SetVectors:
                     with storage.explained(part.url, "read"):
                         table = pf.read_row_group(group, columns=["id", "embedding"])
                     take = pa.array(positions[lo:hi] - offset)
-                    ids.append(table.column("id").take(take).combine_chunks())
+                    ids.append(check_ids(table.column("id").take(take), part.url).combine_chunks())
                     vectors.append(self._vectors(table.column("embedding").take(take), part.url))
                 offset += rows
         if not ids:
@@ -84,16 +82,12 @@ class SetVectors:
         return unit_rows(vectors) if self.unit else vectors
 
 
-def open_part(url: str, dim: int, id_type: pa.DataType) -> Part:
-    """A part's layout from its footer; a part of another shape, or whose ids are not of the
-    set's ``id_type`` (every part of a set stores that one), is refused by name."""
-    pf = storage.parquet_file(url)
-    check_part_schema(url, pf.schema_arrow, dim, id_type)
-    meta = pf.metadata
+def _part(url: str, meta: pq.FileMetaData) -> Part:
+    """A part's layout from its (checked: ``SetFolder.checked_parts``) footer."""
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
     return Part(url=url, name=url.rsplit("/", 1)[-1], rows=meta.num_rows, groups=groups)
 
 
 def read_ids(url: str) -> pa.Array:
     """The id column of one part."""
-    return storage.read_parquet(url, columns=["id"]).column("id").combine_chunks()
+    return check_ids(storage.read_parquet(url, columns=["id"]).column("id"), url).combine_chunks()
