@@ -28,7 +28,11 @@ from pipeline.errors import CorpusError, StorageError
 from pipeline.shards import FileLayout, Shard
 
 SkipReason = Literal["null_id", "null_text", "not_string", "empty_text", "duplicate_id"]
-_DROPPED = frozenset(("Cc", "Cf"))  # control and format characters: not visible text
+# not visible text on their own: control, format, private-use and surrogate characters, and
+# combining marks with no base character (BERT's tokenizers drop each of these); and the
+# replacement character, which stands for bytes that were not text
+_DROPPED = frozenset(("Cc", "Cf", "Co", "Cs", "Mn", "Mc", "Me"))
+_REPLACEMENT = "\ufffd"
 
 
 class CorpusInfo(BaseModel):
@@ -473,9 +477,11 @@ def text_reason(text: object) -> SkipReason | None:
 
 def blank(text: str) -> bool:
     """No visible character: only whitespace, control and format characters (Unicode Cc, Cf:
-    NUL, a zero-width space, a byte-order mark, a soft hyphen), which BERT's tokenizers drop:
-    such a text got the vector of an empty one, the same for every such row. Stops at the
-    first visible character."""
+    NUL, a zero-width space, a byte-order mark, a soft hyphen), private-use ones, combining
+    marks without a base, replacement characters, which BERT's tokenizers drop: such a text
+    got the vector of an empty one, the same for every such row. Stops at the first visible
+    character."""
     if text[:1].isalnum():  # most texts: at once
         return False
-    return all(c.isspace() or unicodedata.category(c) in _DROPPED for c in text)
+    return all(c.isspace() or c == _REPLACEMENT or unicodedata.category(c) in _DROPPED
+               for c in text)

@@ -56,6 +56,21 @@ def test_validate_gives_every_skipped_row_a_reason():
     assert chunk.skipped == {"null_id": 1, "null_text": 1, "empty_text": 2, "duplicate_id": 1}
 
 
+def test_a_text_of_marks_private_use_or_replacement_characters_is_empty(tiny_model_dir):
+    """Each was embedded: its tokens vanished, and it got the empty text's vector."""
+    from transformers import AutoTokenizer
+
+    vanish = ["\ufffd\ufffd", "\u0301\u0302", "\ue000 \U000f0000", " \u0301\ufffd\u200b"]
+    unseen = [" \u20dd\u0903"]  # enclosing and spacing marks, no base: [UNK] to this BERT
+    kept = ["e\u0301", "\u0301e", "\ue000x", "\u2603"]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert [tokenizer.tokenize(t) for t in vanish] == [[]] * len(vanish)
+    assert all(tokenizer.tokenize(t) for t in kept)
+    texts = vanish + unseen + kept
+    chunk = validate(pa.array(range(len(texts))), pa.array(texts), 0, frozenset())
+    assert chunk.texts == kept and chunk.skipped == {"empty_text": len(vanish + unseen)}
+
+
 def test_text_that_is_not_a_string_is_skipped():
     binary = validate(pa.array([1, 2, 3]), pa.array([b"hello", b"\xff\xfe", None]), 0, frozenset())
     assert binary.texts == ["hello"]
