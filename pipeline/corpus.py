@@ -28,10 +28,11 @@ from pipeline.errors import CorpusError, StorageError
 from pipeline.shards import FileLayout, Shard
 
 SkipReason = Literal["null_id", "null_text", "not_string", "empty_text", "duplicate_id"]
-# not visible text on their own: control, format, private-use and surrogate characters, and
-# combining marks with no base character (BERT's tokenizers drop each of these); and the
-# replacement character, which stands for bytes that were not text
-_DROPPED = frozenset(("Cc", "Cf", "Co", "Cs", "Mn", "Mc", "Me"))
+# not visible text on their own: control, format and private-use characters, and combining
+# marks with no base character (BERT's tokenizers drop most); and the replacement character,
+# which stands for bytes that were not text (a lone surrogate: a query's bytes that were not
+# UTF-8, refused as such by search.check_queries)
+_DROPPED = frozenset(("Cc", "Cf", "Co", "Mn", "Mc", "Me"))
 _REPLACEMENT = "\ufffd"
 
 
