@@ -378,6 +378,7 @@ def test_the_dask_runner_keeps_the_terminal_quiet(tmp_path, tiny_model_dir, pref
     ({"lease_wait": float("nan")}, "lease_wait nan is not a number of seconds >= 0"),
     ({"set_name": 5}, "set_name 5 is not a set's name"),
     ({"kind": " "}, "index kind ' ' is not auto, flat, hnsw, ivf, ivfsq, ivfpq or a FAISS"),
+    ({"kind": 5}, "index kind 5 is not auto, flat, hnsw, ivf, ivfsq, ivfpq or a FAISS"),
     ({"memory_budget": "lots"}, "memory budget 'lots' is not a size like 4GB"),
 ])
 def test_index_options_are_checked_before_any_orchestration(tmp_path, monkeypatch, options,
@@ -391,3 +392,28 @@ def test_index_options_are_checked_before_any_orchestration(tmp_path, monkeypatc
     with pytest.raises(embedpipe.EmbedpipeError, match=reason) as refused:
         embedpipe.index(str(tmp_path / "out"), **options)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("poolers", [[{"name": "c", "strategy": "cls"}], [["mean"]], ["mean", 1]])
+def test_poolers_named_by_anything_but_str_are_one_line(tmp_path, monkeypatch, poolers):
+    """A dict or a list raised a bare TypeError (unhashable type) from the job's assembly."""
+    monkeypatch.setattr(embedpipe, "_orchestration", lambda: pytest.fail("orchestration"))
+    _write(tmp_path / "c", "a.parquet", list(range(100, 120)), TEXTS)
+    for call in (embedpipe.embed, embedpipe.backfill):
+        with pytest.raises(embedpipe.EmbedpipeError, match="poolers are named by str") as err:
+            call(str(tmp_path / "c"), str(tmp_path / "out"), poolers=poolers)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["FLAT", "Flat", " flat "])
+def test_an_index_kind_is_its_name_in_any_case(tmp_path, tiny_model_dir, prefect_api, kind):
+    """FAISS spells its flat index "Flat": it was refused as an unknown kind, inside the flow
+    and after Prefect's tracebacks."""
+    _write(tmp_path / "c", "a.parquet", list(range(100, 120)), TEXTS)
+    out = str(tmp_path / "out")
+    embedpipe.embed(str(tmp_path / "c"), out, poolers=["mean"], model=str(tiny_model_dir),
+                    dtype="fp32", device="cpu")
+    [result] = embedpipe.index(out, kind=kind)
+    assert (result.meta.kind, result.meta.rows, result.action) == ("flat", 20, "built")
+    [again] = embedpipe.index(out, kind="flat")
+    assert again.action == "up to date"  # the same kind: nothing to rebuild

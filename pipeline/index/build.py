@@ -24,7 +24,7 @@ import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from pipeline import storage
 from pipeline.config import LeaseWait
@@ -36,10 +36,10 @@ from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import (
     BATCH_ROWS,
-    NAMED_KINDS,
     QUERY_SAMPLE,
     IndexPlan,
     factory_for,
+    index_kind,
     parse_bytes,
     plan_index,
 )
@@ -67,15 +67,18 @@ class IndexRequest(BaseModel):
     batch_rows: int = Field(default=BATCH_ROWS, gt=0)
     seed: int = 0
 
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, kind: str) -> str:
+        return index_kind(kind)  # "FLAT" is flat: a catch-up compares it with the built kind
+
 
 def index_targets(out: str, set_name: str | None, kind: str, memory_budget: str | int,
                   lease_wait: float) -> list[str]:
     """The sets an `index` run works on, its options checked first (each a one-line error,
     before any orchestration or lease): the named set, which must be there, or every set."""
     parse_bytes(memory_budget)
-    if not isinstance(kind, str) or not kind.strip():
-        raise ConfigError(f"index kind {kind!r} is not auto, {', '.join(NAMED_KINDS)} or a "
-                          "FAISS factory string")
+    index_kind(kind)
     try:
         TypeAdapter(LeaseWait).validate_python(lease_wait, strict=True)  # as an embed job's
     except ValidationError:

@@ -124,17 +124,26 @@ def factory_for(kind: str, dim: int, nlist: int, pq_m: int = 0) -> str:
     }[kind]
 
 
+def index_kind(kind: object) -> str:
+    """``kind`` as ``plan_index`` reads it: ``auto`` and the named kinds in any case (``Flat``
+    is FAISS's own name of the flat index too), else a FAISS factory string, stripped."""
+    if not isinstance(kind, str) or not kind.strip():
+        raise ConfigError(f"index kind {kind!r} is not auto, {', '.join(NAMED_KINDS)} or a "
+                          "FAISS factory string")
+    name = kind.strip()
+    return name.lower() if name.lower() in ("auto", *NAMED_KINDS) else name
+
+
 def plan_index(rows: int, dim: int, metric: str, budget: int, kind: str = "auto") -> IndexPlan:
     """The index to build for ``rows`` vectors of ``dim`` within ``budget`` bytes."""
     if rows <= 0:
         raise ConfigError("cannot index an empty set")
+    kind = index_kind(kind)
     if kind == "auto":
         return _auto(rows, dim, metric, budget)
     if kind in NAMED_KINDS:
         return _named(kind, rows, dim, metric, budget, enforce=False)
-    if kind.strip() == "" or kind.lower() in {"auto", *NAMED_KINDS}:
-        raise ConfigError(f"unknown index kind {kind!r}")
-    return IndexPlan(kind="factory", factory=kind.strip(), metric=metric,
+    return IndexPlan(kind="factory", factory=kind, metric=metric,
                      memory_estimate=_estimate("ivf", rows, dim, nlist_for(rows)),
                      train_rows=min(rows, max(64 * nlist_for(rows), 10_000)))
 
