@@ -74,6 +74,10 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
     job = {**file, "corpus": _absolute(str(corpus)), "out": str(out), "encoder": encoder}
     job |= {k: chosen[k] for k in JOB_OPTIONS if k in chosen}
     names = list(poolers or []) or list(defined)
+    bad = next((n for n in names if not isinstance(n, str)), None)
+    if bad is not None:
+        raise ConfigError(f"poolers are named by str (options go in the config file's "
+                          f"[[poolers]]), not {type(bad).__name__}: {bad!r}")
     if names:  # none: EmbedJob picks the model's default set (`model` or `mean`)
         job["poolers"] = [_absolute_head(defined.get(n, {"name": n})) for n in names]
     return parse(EmbedJob, job, f"embedding job{f' ({config})' if config else ''}")

@@ -120,3 +120,13 @@ def test_the_options_a_strategy_reads_are_taken(tmp_path: Path) -> None:
     deep, tuned = job.poolers
     assert (deep.layers, deep.layer_combine) == ((-1, -2), "max")
     assert (tuned.strategy, tuned.head) == ("learned", "/heads/a")
+
+
+@pytest.mark.parametrize("layers", [(-1, 2), (0, -3), (-2, 1)])
+def test_one_layer_named_twice_from_both_ends_is_refused(tiny_model_dir: Path,
+                                                         layers: tuple) -> None:
+    """On a 2-layer encoder -1 is 2 and -3 is 0: (-1, 2) passed the duplicate check and
+    concat gave one layer twice."""
+    spec = PoolerSpec(name="twice", strategy="mean", layers=layers, layer_combine="concat")
+    with pytest.raises(ConfigError, match=r"pooler 'twice': layers .* name one layer twice"):
+        Embedder(fp32(tiny_model_dir), [spec])

@@ -54,6 +54,12 @@ class Pooler(ABC):
         self.info = info
         self.parts = parts
         self.layers = tuple(resolve_layer(i, info.num_layers) for i in self.layer_indices())
+        if len(set(self.layers)) != len(self.layers):
+            raise ConfigError(
+                f"pooler {spec.name!r}: layers {list(self.layer_indices())} name one layer twice "
+                f"(with {info.num_layers} layers, -1 is {info.num_layers} and "
+                f"{-(info.num_layers + 1)} is 0)"
+            )
         self.head = self.model_head()
         self.width = self.combined_width()
         if self.head is not None:
