@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from pipeline import ranking, storage
@@ -201,11 +202,19 @@ def _as_type(ids: pa.Array, id_type: pa.DataType) -> pa.Array:
     if pa.types.is_boolean(ids.type):
         raise CorpusError(f"doc_id holds booleans, not ids of the set's id type {id_type}")
     try:
-        return ids.cast(id_type)
+        typed = ids.cast(id_type)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         bad = next(v for v in ids.unique() if not _casts(v, id_type))
         raise CorpusError(f"doc_id value {bad.as_py()!r} is not of the set's id type "
                           f"{id_type}") from None
+    if pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type):
+        # text read as a number must be that number's text: "01" is not the id 1
+        other = pc.fill_null(pc.not_equal(typed.cast(ids.type), ids), False)
+        if pc.any(other).as_py():
+            at = pc.index(other, True).as_py()
+            raise CorpusError(f"doc_id value {ids[at].as_py()!r} is not an id of the set's id "
+                              f"type {id_type} (it reads as {typed[at].as_py()!r})")
+    return typed
 
 
 def _casts(value: pa.Scalar, id_type: pa.DataType) -> bool:

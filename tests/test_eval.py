@@ -172,6 +172,9 @@ def test_eval_scores_a_dictionary_encoded_queries_file(tmp_path, tiny_model_dir,
     # the message named the first value ('100'), which is a fine int64
     (["100", "x", "y"], "doc_id value 'x' is not of the set's id type int64"),
     ([True, False, True], "doc_id holds booleans, not ids of the set's id type int64"),
+    # "0101" read as the id 101: scored as a hit on a doc it does not name
+    (["100", "0101", "102"], "doc_id value '0101' is not an id of the set's id type int64 "
+                              "(it reads as 101)"),
 ])
 def test_doc_ids_that_are_no_ids_of_the_set_are_named(tmp_path, tiny_model_dir, capsys, doc_ids,
                                                       says):
