@@ -89,6 +89,16 @@ class SetMeta(BaseModel):
     # its own; None: a set made before embedpipe kept one
     token: str | None = None
 
+    def differences(self, other: SetMeta) -> str:
+        """``; differs in: ...``: what of the recorded inputs of a fingerprint (model files,
+        max length, window, pooler) differs from ``other``'s; '' where none shows it."""
+        fields = {"model files": lambda m: m.model_hash, "max length": lambda m: m.max_length,
+                  "window": lambda m: m.window,
+                  "pooler": lambda m: {k: v for k, v in m.pooler.items() if k != "name"}}
+        diffs = [f"{label} {get(self)} -> {get(other)}" for label, get in fields.items()
+                 if get(self) != get(other)]
+        return f"; differs in: {'; '.join(diffs)}" if diffs else ""
+
     @property
     def metric(self) -> str:
         """The FAISS metric that ranks as the model compares vectors: cosine (over unit
@@ -399,8 +409,8 @@ class SetFolder:
             raise FingerprintError(
                 f"set {self.name!r} in {self.out} was made with fingerprint {stored.fingerprint} "
                 f"(model {stored.model}, pooler {stored.pooler.get('strategy')}), this job makes "
-                f"{meta.fingerprint} (model {meta.model}); use another set name or another OUT"
-                + int8_hint(stored.model_hash, meta.model_hash)
+                f"{meta.fingerprint} (model {meta.model}){stored.differences(meta)}; use another "
+                "set name or another OUT" + int8_hint(stored.model_hash, meta.model_hash)
             )
         if stored.id_type != meta.id_type:
             raise FingerprintError(

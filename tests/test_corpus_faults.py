@@ -187,14 +187,30 @@ def test_out_with_a_set_of_another_fingerprint_is_refused(tmp_path, tiny_model_d
     before = tree_digest(tmp_path / "out")
     changed = job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir,
                   poolers=[{"name": "main", "strategy": "cls"}])
-    with pytest.raises(FingerprintError, match=r"set 'main' in .* was made with fingerprint"):
+    with pytest.raises(FingerprintError, match=r"set 'main' in .* was made with fingerprint"
+                                               r".*; differs in: pooler .*'strategy': 'mean'"
+                                               r".* -> .*'strategy': 'cls'"):
         run_library(changed)
     other_model = job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir,
                       poolers=[{"name": "main", "strategy": "mean"}])
     other_model["encoder"] = other_model["encoder"] | {"max_length": 16}
-    with pytest.raises(FingerprintError, match="use another set name or another OUT"):
+    # the line named two fingerprints and one model: not what differs
+    with pytest.raises(FingerprintError, match=r"; differs in: max length 128 -> 16; use "
+                                               r"another set name or another OUT"):
         run_library(other_model)
     assert tree_digest(tmp_path / "out") == before
+
+
+def test_an_int8_set_continued_in_a_float_dtype_says_how_to_continue_it(tmp_path,
+                                                                        tiny_model_dir):
+    """Refused, as it must be (int8 vectors are other vectors), naming nothing of int8."""
+    write_corpus(tmp_path / "a.parquet", list(range(30)), [text_for(i) for i in range(30)])
+    made = job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir)
+    run_library(made | {"encoder": made["encoder"] | {"dtype": "int8"}})
+    with pytest.raises(FingerprintError, match=r"its vectors were made in dtype int8 "
+                                               r"\((onednn|onnxruntime)\), this job's in a float "
+                                               r"dtype: --dtype int8 --int8-kernel \1 continues"):
+        run_library(made)
 
 
 def test_failure_while_writing_then_rerun_gives_every_row_once(tmp_path, tiny_model_dir,

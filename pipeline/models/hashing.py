@@ -115,6 +115,10 @@ def int8_hint(made: str | None, making: str) -> str:
                     "make the set anew")
     kernel = int8_kernel_of(making)
     if kernel is None:
+        other = int8_kernel_of(made) if made is not None else None
+        if other is not None and made.removesuffix(INT8_SUFFIXES[other]) == making:
+            return (f"; its vectors were made in dtype int8 ({other}), this job's in a float "
+                    f"dtype: --dtype int8 --int8-kernel {other} continues it")
         return ""
     if made is None:
         return (f"; dtype int8 runs through {kernel} here: a set made by the other int8 kernel "
