@@ -310,13 +310,14 @@ def check_model_choices(job: EmbedJob) -> None:
     from pipeline.precision import check_dtype, choose_device
 
     check_dtype(job.encoder.dtype, choose_device(job.encoder.device))
-    if job.encoder.max_length:
-        _check_max_length(job)
+    if job.encoder.max_length or job.encoder.window:
+        _check_lengths(job)
 
 
-def _check_max_length(job: EmbedJob) -> None:
-    """``max_length`` against the model's config: the recorded one where a run recorded it
-    (transformers not imported), else read and recorded for the run's own model load."""
+def _check_lengths(job: EmbedJob) -> None:
+    """``max_length`` and a window's size against the model's config (a window wider than the
+    rows the model reads failed at its load, inside the run): the recorded config where a run
+    recorded it (transformers not imported), else read and recorded for the run's own load."""
     from pipeline.models import loader, recorded
 
     files, trusted = loader.read_model_files(job.encoder.model), job.encoder.trust_remote_code
@@ -325,7 +326,13 @@ def _check_max_length(job: EmbedJob) -> None:
         config, _ = recorded.load(files, files.model_hash(), trusted)
     except (OSError, ValueError, KeyError) as exc:  # as the encoder's load says it
         raise loader.load_failed(files.folder, exc) from None
-    loader.check_max_length(job.encoder.max_length, config, files.folder)
+    encoder = job.encoder
+    if encoder.max_length:
+        loader.check_max_length(encoder.max_length, config, files.folder)
+    usable = encoder.max_length or loader.usable_positions(config)
+    if encoder.window is not None and encoder.window.size > usable:
+        where = "max_length" if encoder.max_length else f"the tokens model {files.folder} reads"
+        raise ConfigError(f"window size {encoder.window.size} is above {where} ({usable})")
 
 
 def check_runs(job: EmbedJob) -> None:

@@ -417,3 +417,18 @@ def test_an_index_kind_is_its_name_in_any_case(tmp_path, tiny_model_dir, prefect
     assert (result.meta.kind, result.meta.rows, result.action) == ("flat", 20, "built")
     [again] = embedpipe.index(out, kind="flat")
     assert again.action == "up to date"  # the same kind: nothing to rebuild
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"window": 1000, "stride": 500}, "window size 1000 is above the tokens model .* reads \\("),
+    ({"window": 40, "stride": 20, "max_length": 32}, "window size 40 is above max_length \\(32\\)"),
+])
+def test_a_window_wider_than_the_model_reads_is_refused_before_orchestration(
+        tmp_path, tiny_model_dir, monkeypatch, options, says):
+    """It failed at the model's load inside the flow, after Prefect's traceback."""
+    monkeypatch.setattr(embedpipe, "_orchestration", lambda: pytest.fail("orchestration"))
+    _write(tmp_path / "c", "a.parquet", list(range(100, 120)), TEXTS)
+    with pytest.raises(embedpipe.EmbedpipeError, match=says) as err:
+        embedpipe.embed(str(tmp_path / "c"), str(tmp_path / "out"), model=str(tiny_model_dir),
+                        dtype="fp32", device="cpu", **options)
+    assert "\n" not in str(err.value)
