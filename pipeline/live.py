@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.errors import StorageError
 from pipeline.index import read_meta
 from pipeline.search import Searcher
 from pipeline.sets import SetFolder
@@ -50,7 +51,9 @@ class ReloadState:
     swaps: int = 0
     failures: int = 0
     last_error: str | None = None
-    failed: Version | None = None  # the published version that failed, and when
+    # what failed, and when: the published version whose reload failed, or the error where
+    # none could be read (the set or its index removed): each is retried once per retry_s
+    failed: Version | str | None = None
     failed_at: float = 0.0
 
 
@@ -135,18 +138,24 @@ class LiveSets:
             self._on_swap(searcher)
 
     def _refresh(self, name: str) -> None:
-        old, state = self._current[name], self.state[name]
-        published = None
+        old = self._current[name]
         try:
             published = published_version(old.out, name)
-            if published is None or published == served_version(old):
-                return
-            if published == state.failed and time.monotonic() - state.failed_at < self.retry_s:
-                return
+        except Exception as exc:  # the set unreadable (removed, being made again): as below
+            self._failed(name, f"{type(exc).__name__}: {exc}", exc)
+            return
+        if published is None:  # its index removed: what serves is no longer in OUT
+            self._failed(name, "no index", StorageError(
+                f"{old.out}: set {name!r} has no published index any more"))
+            return
+        if published == served_version(old) or self._lately_failed(name, published):
+            return
+        try:
             new = _warmed(old.reloaded())
         except Exception as exc:  # any failure: logged, counted, exposed; the old one serves on
             self._failed(name, published, exc)
             return
+        state = self.state[name]
         self._current = {**self._current, name: new}  # the swap: one reference assignment
         state.swaps += 1
         state.failed, state.last_error = None, None
@@ -154,10 +163,18 @@ class LiveSets:
                  new.meta.token, new.meta.generation, new.meta.rows)
         self._on_swap(new)
 
-    def _failed(self, name: str, published: Version | None, exc: Exception) -> None:
+    def _lately_failed(self, name: str, what: Version | str) -> bool:
+        state = self.state[name]
+        return what == state.failed and time.monotonic() - state.failed_at < self.retry_s
+
+    def _failed(self, name: str, what: Version | str, exc: Exception) -> None:
+        """Log, count and expose a failed reload of ``what`` (once per ``retry_s`` for the
+        same cause: a set being made again for hours logged it on every poll)."""
+        if self._lately_failed(name, what):
+            return
         state = self.state[name]
         state.failures += 1
-        state.failed, state.failed_at = published, time.monotonic()
+        state.failed, state.failed_at = what, time.monotonic()
         state.last_error = f"{type(exc).__name__}: {exc}"
         log.error("set %r: reload failed, still serving index %s: %s", name,
                   self._current[name].meta.token, state.last_error)
@@ -174,10 +191,12 @@ class LiveSets:
         self._thread = threading.Thread(target=self._loop, name="embedpipe-reload", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop polling; a reload stuck on storage (a download retried for minutes) does not
+        hold the server's shutdown: its thread is a daemon, and ends with the process."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
             self._thread = None
 
     def _loop(self) -> None:

@@ -111,6 +111,51 @@ def test_a_failed_reload_keeps_serving_the_old_generation_and_says_so(first_gene
     assert live.status("mean") == {"swaps": 1, "failures": 1, "last_error": None}
 
 
+def test_a_set_removed_or_unindexed_while_served_fails_once_per_retry_not_every_poll(
+        first_generation, caplog):
+    """Removed (to be made again, for hours), it logged a failed reload at every poll; its
+    index removed too, it was served on without a word."""
+    import shutil
+
+    out = first_generation
+    first = Searcher(str(out), "mean")
+    live = LiveSets({"mean": first}, interval_s=0, retry_s=0.3)
+    shutil.rmtree(out / "sets" / "mean")
+    for _ in range(5):
+        live.poll()
+    assert live.status("mean")["failures"] == 1
+    assert caplog.text.count("reload failed") == 1
+    time.sleep(0.4)  # past retry_s: the same cause is logged again, once
+    live.poll()
+    live.poll()
+    assert live.status("mean")["failures"] == 2
+    shutil.rmtree(out / "index" / "mean")
+    live.poll()
+    state = live.status("mean")
+    assert state["failures"] == 3 and "has no published index any more" in state["last_error"]
+    assert live.get("mean") is first  # what it holds still answers
+    assert first.search([TEXTS[3]], k=1)[0][0].id == 103
+
+
+def test_stop_does_not_wait_on_a_reload_stuck_on_storage(first_generation, monkeypatch):
+    """SIGTERM left the server running for 410 s while a download of a new index retried."""
+    out = first_generation
+    live = LiveSets({"mean": Searcher(str(out), "mean")}, interval_s=0.01)
+    stuck, entered = threading.Event(), threading.Event()
+
+    def poll() -> None:
+        entered.set()
+        stuck.wait(60)
+
+    monkeypatch.setattr(live, "poll", poll)
+    live.start()
+    assert entered.wait(30)
+    started = time.monotonic()
+    live.stop(timeout_s=0.5)
+    assert time.monotonic() - started < 5  # a hang guard: it waits its 0.5 s, not the 60
+    stuck.set()
+
+
 def test_the_poller_thread_swaps_within_its_interval_and_stops(first_generation):
     out = first_generation
     first = Searcher(str(out), "mean")
