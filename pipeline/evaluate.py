@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from pipeline import ranking, storage
-from pipeline.corpus import arrow_id_type
+from pipeline.corpus import arrow_id_type, blank
 from pipeline.errors import ConfigError, CorpusError, StorageError
 from pipeline.sets import SetFolder, SetMeta, repeated_ids
 
@@ -56,7 +56,10 @@ def load_queries(url: str) -> tuple[pl.DataFrame, int]:
         every = pl.concat(frames, how="vertical_relaxed")
     except pl.exceptions.PolarsError:
         raise CorpusError(f"the files of {url} disagree on the type of doc_id") from None
-    labelled = every.filter(pl.col("query").str.strip_chars().str.len_chars() > 0,
+    # a query with no visible character is none (corpus.blank, as a search and embed read
+    # text): it was scored as the empty text by exact eval and refused by the index's
+    visible = pl.col("query").map_elements(lambda text: not blank(text), return_dtype=pl.Boolean)
+    labelled = every.filter(pl.col("query").is_not_null(), visible.fill_null(False),
                             pl.col("doc_id").is_not_null())
     if labelled.is_empty():
         raise CorpusError(f"{url} has no rows with a non-empty query and a doc_id")

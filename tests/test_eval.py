@@ -259,3 +259,18 @@ def test_exact_eval_refuses_a_part_with_a_repeated_or_null_id(tmp_path, tiny_mod
     problem = ("holds ids more than once" if case == "repeated" else
                f"{part}: 1 of its ids are null")
     assert "\n" not in err and problem in err, err
+
+
+@pytest.mark.parametrize("search", ["--exact", "--no-exact"])
+def test_a_query_with_no_visible_character_is_unlabelled_either_way(tmp_path, tiny_model_dir,
+                                                                    capsys, search):
+    """Exact eval scored a zero-width space as the empty text; the index's refused the file
+    as "query 44 is empty" (44: its place in a search batch)."""
+    out = embedded_set(tmp_path, tiny_model_dir)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": [*TEXTS[:3], "\u200b", "\ufffd"],
+                             "doc_id": [100, 101, 102, 103, 104]}), queries)
+    assert main(["eval", str(out), str(queries), "--set", "mean", search, "--json"]) == 0
+    [result] = json.loads(capsys.readouterr().out)
+    assert (result["queries"], result["unlabelled"]) == (3, 2)
