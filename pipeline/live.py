@@ -161,6 +161,8 @@ class LiveSets:
         state.failed, state.last_error = None, None
         log.info("set %r: now serving index %s (generation %d, %d rows)", name,
                  new.meta.token, new.meta.generation, new.meta.rows)
+        if new.snippet_note:  # as at the start: the reason hits come without snippets now
+            log.warning("set %r: %s", name, new.snippet_note)
         self._on_swap(new)
 
     def _lately_failed(self, name: str, what: Version | str) -> bool:

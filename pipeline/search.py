@@ -165,14 +165,20 @@ class Searcher:
         self.snippets: SnippetStore | None = None
         self.snippet_note: str | None = None
         if snippets:
-            self.snippets, self.snippet_note = self._snippets(corpus)
+            self.snippets, self.snippet_note = self._snippets(corpus, previous)
 
-    def _snippets(self, corpus: str | None) -> tuple[SnippetStore | None, str | None]:
-        """A checked corpus for snippets, or None and the one-line reason there is none."""
+    def _snippets(self, corpus: str | None, previous: Searcher | None = None
+                  ) -> tuple[SnippetStore | None, str | None]:
+        """A checked corpus for snippets, or None and the one-line reason there is none. The
+        corpus ``previous`` checked for this very set serves on unchecked: the sample the check
+        takes is of the index's ids, and a stale index (rows deleted since) failed it."""
         source = corpus or self.set.corpus
         if not source:
             return None, f"set {self.name!r} records no corpus: pass --corpus for snippets"
         store = SnippetStore(source, self.set.id_column, self.set.text_column)
+        if (previous is not None and previous.snippets is not None
+                and previous.snippets.corpus == source and previous.set.token == self.set.token):
+            return store, None
         problem = store.check(self.handle.idmap.ids)
         if problem:
             return None, f"no snippets for set {self.name!r}: {problem}"

@@ -137,6 +137,26 @@ def test_a_set_removed_or_unindexed_while_served_fails_once_per_retry_not_every_
     assert first.search([TEXTS[3]], k=1)[0][0].id == 103
 
 
+def test_rows_deleted_before_the_index_catches_up_leave_the_others_their_snippets(
+        first_generation, caplog):
+    """A nightly deleted a quarter of the rows, its index not caught up yet: the reload
+    checked the corpus against the index's (stale) ids, found too few, and every hit lost
+    its snippet without a word until `index` ran."""
+    out = first_generation
+    first = Searcher(str(out), "mean")
+    live = LiveSets({"mean": first}, interval_s=0)
+    corpus = out.parent / "corpus.parquet"
+    kept = pq.read_table(corpus).slice(0, FIRST - 3)  # ids 109-111 deleted
+    pq.write_table(kept, corpus)
+    bump(out, "mean", [], [109, 110, 111])
+    live.poll()
+    served = live.get("mean")
+    assert served is not first and served.meta.token == first.meta.token  # same index
+    top = served.search([TEXTS[4]], k=1)[0][0]
+    assert (top.id, top.snippet) == (104, TEXTS[4])
+    assert "no snippets" not in caplog.text
+
+
 def test_stop_does_not_wait_on_a_reload_stuck_on_storage(first_generation, monkeypatch):
     """SIGTERM left the server running for 410 s while a download of a new index retried."""
     out = first_generation
