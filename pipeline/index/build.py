@@ -216,14 +216,18 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
         del train
     idmap = IdMap.empty(_id_type(data.parts))
     exact = ExactTopK(queries, 10, info.metric)
-    for ids, vectors in data.iter_batches(req.batch_rows):
-        labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
-        _add(index, vectors, labels, plan.factory)
-        idmap.append(labels, ids)
-        exact.add(labels, vectors)
+    # the query sample is held back while tuning, as real queries are no rows of the set (a
+    # row searched for itself is its own nearest, and HNSW finds the rest through it: on
+    # 20,000 MiniLM summaries 0.95 was measured where summaries not in the set got 0.85); a
+    # set too small to spare them tunes on them in place
+    held = query_pos if rows >= 2 * len(query_pos) else query_pos[:0]
+    aside = _add_rows(data, index, plan.factory, idmap, exact, held, req.batch_rows)
+    params, recall, tried = tune(IndexHandle(index, idmap, {}), queries, exact.result(),
+                                 req.recall_target)
+    for ids, vectors in aside:  # then they join the index
+        _append(index, plan.factory, idmap, ids, vectors)
     _refuse_duplicates(idmap, info, req.out)
-    handle = IndexHandle(index, idmap, {})
-    params, recall, tried = tune(handle, queries, exact.result(), req.recall_target)
+    handle = IndexHandle(index, idmap, params)
     meta = _meta(req, info, budget, plan.memory_estimate, handle, previous, started,
                  kind=plan.kind, factory=plan.factory, mode="full", next_label=idmap.next_label,
                  asked_kind=plan.factory if plan.kind == "factory" else kind)
@@ -296,6 +300,33 @@ def _faiss_reason(exc: RuntimeError) -> str:
     reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
     reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", reason)  # FAISS's C++ location
     return reason.split("failed: ", 1)[-1]
+
+
+def _add_rows(data: SetVectors, index: faiss.Index, factory: str, idmap: IdMap,
+              exact: ExactTopK, held: np.ndarray, batch_rows: int
+              ) -> list[tuple[pa.Array, np.ndarray]]:
+    """Every row of ``data`` into ``index``, ``idmap`` and ``exact``, but those at the sorted
+    positions ``held``: returned, to be added once the index is tuned."""
+    aside, offset = [], 0
+    for ids, vectors in data.iter_batches(batch_rows):
+        lo, hi = np.searchsorted(held, [offset, offset + len(ids)])
+        back = np.zeros(len(ids), bool)
+        back[held[lo:hi] - offset] = True
+        offset += len(ids)
+        if back.any():
+            aside.append((ids.filter(pa.array(back)), vectors[back]))
+            ids, vectors = ids.filter(pa.array(~back)), vectors[~back]
+        exact.add(_append(index, factory, idmap, ids, vectors), vectors)
+    return aside
+
+
+def _append(index: faiss.Index, factory: str, idmap: IdMap, ids: pa.Array,
+            vectors: np.ndarray) -> np.ndarray:
+    """``vectors`` into ``index`` under the next labels, ``ids`` into ``idmap``; the labels."""
+    labels = np.arange(idmap.next_label, idmap.next_label + len(ids), dtype=np.int64)
+    _add(index, vectors, labels, factory)
+    idmap.append(labels, ids)
+    return labels
 
 
 def _sample_positions(rng: np.random.Generator, rows: int, queries: int,
