@@ -74,3 +74,18 @@ def test_hnsw_is_tuned_on_queries_it_does_not_hold(tmp_path):
     assert unseen >= meta.recall_at_10 - 0.03, (unseen, meta.recall_at_10, meta.params)
     itself = handle.search(vectors[::97], 1)  # the held rows too: every row is indexed
     assert [hits[0][0] for hits in itself] == list(range(0, rows, 97))
+
+
+def test_a_lossy_index_without_search_parameters_is_not_called_exact(tmp_path):
+    """A PQ4 factory index at recall 0.38 was summarised "(exact, BELOW the target ...)"."""
+    from _index_sets import clustered, write_set
+
+    from pipeline.index import IndexRequest, index_set
+
+    write_set(tmp_path, "s", list(range(3000)), clustered(3000, 32, seed=1), parts=1)
+    lossy = index_set(IndexRequest(out=str(tmp_path), set_name="s", kind="PQ4"),
+                      say=lambda _: None)
+    assert "(no search parameters" in lossy.summary() and "exact" not in lossy.summary()
+    flat = index_set(IndexRequest(out=str(tmp_path), set_name="s", kind="flat", rebuild=True),
+                     say=lambda _: None)
+    assert "recall@10 1.000 (exact)" in flat.summary()

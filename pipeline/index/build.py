@@ -101,7 +101,8 @@ class IndexResult(BaseModel):
 
     def summary(self) -> str:
         m = self.meta
-        params = ", ".join(f"{k}={v}" for k, v in m.params.items()) or "exact"
+        params = (", ".join(f"{k}={v}" for k, v in m.params.items())
+                  or ("exact" if m.kind == "flat" else "no search parameters"))  # PQ4: lossy
         why = f" ({self.reason})" if self.reason else ""
         short = (f", BELOW the target {m.recall_target:.2f}: try a larger --memory-budget "
                  "or another --kind" if m.recall_at_10 < m.recall_target else "")
