@@ -89,3 +89,23 @@ def test_a_lossy_index_without_search_parameters_is_not_called_exact(tmp_path):
     flat = index_set(IndexRequest(out=str(tmp_path), set_name="s", kind="flat", rebuild=True),
                      say=lambda _: None)
     assert "recall@10 1.000 (exact)" in flat.summary()
+
+
+def test_a_catch_up_never_tunes_below_what_the_build_chose(tmp_path):
+    """A catch-up measures recall with rows of the set, which the index holds: it took the
+    efSearch back down to 16, under what queries outside the set need."""
+    from _index_sets import bump, clustered, write_part, write_set
+
+    from pipeline.index import IndexRequest, index_set, read_meta
+
+    rows, dim = 20_000, 32
+    every = clustered(rows + 1_000, dim, seed=3, clusters=64, spread=1.5)
+    write_set(tmp_path, "s", list(range(rows)), every[:rows], parts=2)
+    request = IndexRequest(out=str(tmp_path), set_name="s", kind="hnsw", queries=500)
+    index_set(request, say=lambda _: None)
+    built = read_meta(str(tmp_path), "s").params["efSearch"]
+    write_part(tmp_path, "s", "part-00009.parquet", range(rows, rows + 1_000), every[rows:])
+    bump(tmp_path, "s", ["part-00009.parquet"], [])
+    caught = index_set(request, say=lambda _: None)
+    assert caught.action == "caught up" and caught.meta.rows == rows + 1_000
+    assert built > 16 and caught.meta.params["efSearch"] >= built

@@ -413,7 +413,10 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     query_pos, _ = _sample_positions(rng, expected, req.queries, 0)
     _, queries = data.gather(query_pos)
     truth = _exact_truth(data, info, queries, idmap, req.batch_rows)
-    params, recall, tried = tune(handle, queries, truth, req.recall_target)
+    # its queries are rows the index holds (each finds itself): it never tunes below the
+    # setting the build chose on queries it did not hold
+    params, recall, tried = tune(handle, queries, truth, req.recall_target,
+                                 floor=current.params)
     if recall < req.recall_target <= current.recall_at_10 and ivf_of(index) is not None:
         return None, f"recall@10 fell to {recall:.3f} after catch-up; retraining"
     meta = _meta(req, info, budget, current.memory_estimate, handle, current, started,

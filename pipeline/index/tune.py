@@ -27,16 +27,21 @@ def candidates(handle: IndexHandle) -> list[dict[str, int]]:
 
 
 def tune(handle: IndexHandle, queries: np.ndarray, truth: np.ndarray, target: float,
-         k: int = 10, log: Callable[[str], None] | None = None) -> tuple[dict, float, list]:
+         k: int = 10, log: Callable[[str], None] | None = None,
+         floor: dict | None = None) -> tuple[dict, float, list]:
     """Try settings in order and keep the first reaching ``target`` (else the best seen).
 
     Each setting is tried and recorded as a search for ``k`` rows runs it
     (``IndexHandle.settings_for``): an IVF whose smallest lists hold fewer than k rows runs a
-    small nprobe raised, so the settings below that run alike and count once.
+    small nprobe raised, so the settings below that run alike and count once. ``floor``: no
+    setting below it is tried (a catch-up, whose queries are rows the index holds, keeps at
+    least what the build chose on queries it did not hold).
     """
     tried: list[dict] = []
     best: tuple[float, dict] | None = None
     for wanted in candidates(handle):
+        if floor and any(wanted.get(name, value) < value for name, value in floor.items()):
+            continue
         handle.tune(wanted)
         params = handle.settings_for(k)
         if tried and all(tried[-1].get(name) == value for name, value in params.items()):
