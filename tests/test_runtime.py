@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
+from _http import answering
 
 REPO = Path(__file__).resolve().parents[1]
 CALL = "from flows.runtime import use_local_server; print(use_local_server())"
@@ -120,36 +117,10 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-@contextlib.contextmanager
-def _answering_health() -> Iterator[str]:
-    """An API URL on loopback whose ``/health`` answers as a Prefect server's does (a run on a
-    configured server asks it first: ``flows.runtime.check_server``)."""
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            body = b"true"
-            self.send_response(200 if self.path == "/api/health" else 404)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            return
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/api"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_configured_api_url_ephemeral_mode_or_a_python_caller_starts_nothing(
         tmp_path: Path) -> None:
-    with _answering_health() as url:
-        _nothing_started(tmp_path, url)
+    with answering(b"true") as base:  # a configured server's /health (runs ask it first)
+        _nothing_started(tmp_path, f"{base}/api")
 
 
 def _nothing_started(tmp_path: Path, url: str) -> None:

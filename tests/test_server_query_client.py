@@ -1,16 +1,13 @@
 """`embedpipe query --url` (``pipeline.client``) when the URL or the answer is wrong: one line
 naming the URL, exit 1, never a traceback.
 
-Answers that are not search results come from a stdlib HTTP server on loopback (what
-``--url`` may point at by mistake: another service, a proxy's error page)."""
+Answers that are not search results come from a stdlib HTTP server on loopback (``_http``:
+what ``--url`` may point at by mistake, another service, a proxy's error page)."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
+from _http import answering
 
 from flows.cli import main
 
@@ -28,32 +25,6 @@ def test_a_url_that_is_not_http_host_port_is_one_line_naming_it(url, capsys):
     assert main(["query", "--url", url, "hello"]) == 1
     assert _one_line_error(capsys) == (f"embedpipe query: error: {url!r} is not a server URL: "
                                        "give http://host:port")
-
-
-@contextlib.contextmanager
-def answering(body: bytes, content_type: str):
-    """The base URL of a loopback HTTP server answering every POST with 200 and ``body``."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # the name http.server calls
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: object) -> None:  # keep the test's stderr to the CLI's
-            pass
-
-    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield f"http://127.0.0.1:{server.server_address[1]}"
-        finally:
-            server.shutdown()
-            thread.join()
 
 
 @pytest.mark.parametrize(("body", "content_type"), [
