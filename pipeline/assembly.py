@@ -37,6 +37,7 @@ from pipeline.config import EmbedJob, EncoderConfig, PoolerSpec, load_toml, pars
 from pipeline.errors import ConfigError
 
 if TYPE_CHECKING:
+    from pipeline.models.loader import ModelFiles
     from pipeline.sets import SetMeta
 
 ENCODER_OPTIONS = ("model", "device", "dtype", "int8_kernel", "max_length", "compile")
@@ -329,7 +330,8 @@ def _check_lengths(job: EmbedJob) -> None:
     encoder = job.encoder
     if encoder.max_length:
         loader.check_max_length(encoder.max_length, config, files.folder)
-    usable = encoder.max_length or loader.usable_positions(config)
+    # the rows a run reads, as its load makes them (Encoder.check_window refuses wider ones)
+    usable = encoder.max_length or loader.max_length(files, config)
     if encoder.window is not None and encoder.window.size > usable:
         where = "max_length" if encoder.max_length else f"the tokens model {files.folder} reads"
         raise ConfigError(f"window size {encoder.window.size} is above {where} ({usable})")
@@ -345,10 +347,10 @@ def check_runs(job: EmbedJob) -> None:
     files = read_model_files(spec.encoder.model)
     refuse_remote_code(files, spec.encoder.trust_remote_code)
     check_model_choices(spec)
-    _check_heads_fit(spec, files.model_hash())
+    _check_heads_fit(spec, files)
 
 
-def _check_heads_fit(job: EmbedJob, files_hash: str) -> None:
+def _check_heads_fit(job: EmbedJob, files: ModelFiles) -> None:
     """Each learned head was trained for the job's model, as ``Learned`` checks at every run's
     model load, from ``head.json`` alone; under dtype int8 with the kernel chosen at load, for
     any kernel (each has its own hash)."""
@@ -358,8 +360,7 @@ def _check_heads_fit(job: EmbedJob, files_hash: str) -> None:
     encoder = job.encoder
     kernels = ([None] if encoder.dtype != "int8" else
                list(INT8_SUFFIXES) if encoder.int8_kernel == "auto" else [encoder.int8_kernel])
-    fits = {quantized_hash(files_hash, kernel) for kernel in kernels}
+    fits = {quantized_hash(files.model_hash(), kernel) for kernel in kernels}
     for spec in job.poolers:
         if spec.head is not None:
-            check_trained_for(spec.head, read_head_config(spec.head), fits,
-                              encoder.model or "the packaged all-MiniLM-L6-v2")
+            check_trained_for(spec.head, read_head_config(spec.head), fits, str(files.folder))

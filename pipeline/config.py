@@ -165,6 +165,7 @@ class EncoderConfig(_Strict):
         return self
 
 
+DAY_S = 86_400.0  # the longest time a setting may name (a lease, a wait: a thread's is never inf)
 LeaseWait = Annotated[float, Field(ge=0)]  # seconds to wait for another writer of OUT
 
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from pipeline import storage
 from pipeline.config import stable_hash
 from pipeline.errors import CorpusError, StorageError
+from pipeline.names import HASHES, PART_PREFIX, QUARANTINE
 from pipeline.shards import FileLayout, Shard
 
 SkipReason = Literal["null_id", "null_text", "not_string", "empty_text", "duplicate_id"]
@@ -138,8 +139,9 @@ def _signed_ids_fit(meta: pq.FileMetaData, id_column: str) -> bool:
     return True
 
 
-# files OUT's writers write that a glob could read back (pipeline.sets' layout)
-_OUT_FILES = ("sets/mean/part-0.parquet", "sets/mean/_hashes/0.parquet", "_quarantine/0.parquet")
+# files OUT's writers write that a glob could read back (the layout pipeline.names gives)
+_OUT_FILES = (f"sets/mean/{PART_PREFIX}0.parquet", f"sets/mean/{HASHES}/0.parquet",
+              f"{QUARANTINE}/0.parquet")
 
 
 def _apart(url: str, urls: list[str], out: str, pattern: bool) -> None:

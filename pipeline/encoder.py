@@ -335,7 +335,7 @@ class Encoder:
         """The job's max_length, else the model's own (``loader.max_length``)."""
         config = self.model.config
         if not self.cfg.max_length:
-            return int(loader.max_length(self.files, self.tokenizer, config))
+            return int(loader.max_length(self.files, config, self.tokenizer))
         loader.check_max_length(self.cfg.max_length, config, self.folder)
         return int(self.cfg.max_length)
 

@@ -116,7 +116,7 @@ def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
     """
     load = load or {}
     info = SetFolder(out, name).meta()
-    use_exact = choose_exact(out, name, exact)
+    use_exact = choose_exact(out, info, exact)
     queries = relevant["query"].unique(maintain_order=True).to_list()
     found, ids = (_exact_found(out, info, queries, k, load) if use_exact
                   else _index_found(out, name, queries, k, load))
@@ -133,22 +133,19 @@ def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
     return scores, rows.select("set", "search", "k", "query", "doc_id", "rank")
 
 
-def choose_exact(out: str, name: str, exact: bool | None) -> bool:
-    """Exact when asked, when the set has no index, or (by default) when it fits in memory."""
+def choose_exact(out: str, info: SetMeta, exact: bool | None) -> bool:
+    """Exact when asked, when the set has no index, or (by default) when its vectors, as
+    ``_SET.json`` counts them, fit in memory (the exact pass reads and checks the parts)."""
     from pipeline.index import read_meta
-    from pipeline.index.setdata import SetVectors
 
     if exact is not None:
-        if not exact and read_meta(out, name) is None:
-            raise StorageError(f"set {name!r} has no index to evaluate; run `embedpipe index "
-                               f"{out} --set {name}` or use exact search")
+        if not exact and read_meta(out, info.name) is None:
+            raise StorageError(f"set {info.name!r} has no index to evaluate; run `embedpipe "
+                               f"index {out} --set {info.name}` or use exact search")
         return exact
-    if read_meta(out, name) is None:
+    if read_meta(out, info.name) is None:
         return True
-    folder = SetFolder(out, name)
-    info = folder.meta()
-    rows = SetVectors.of(folder, info).rows
-    return rows * info.dim * 4 <= EXACT_MAX_BYTES
+    return info.rows_written * info.dim * 4 <= EXACT_MAX_BYTES
 
 
 def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,

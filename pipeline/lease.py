@@ -46,12 +46,13 @@ from typing import Protocol
 from pydantic import BaseModel, Field
 
 from pipeline import storage
+from pipeline.config import DAY_S
 from pipeline.errors import ConfigError, EmbedpipeError, StorageError
 
 LEASE_FILE = "_LEASE.json"
 TTL_ENV = "EMBEDPIPE_LEASE_TTL"
 DEFAULT_TTL = 60.0
-MAX_TTL = 86_400.0
+MAX_TTL = DAY_S
 MAX_LEASE_BYTES = 64 * 1024  # a holder record is under 2 KB; more is not a lease
 # Times a holder record may hold: from the epoch to the year 5138, so every one is a date.
 _Time = Field(ge=0.0, le=1e11, allow_inf_nan=False)

@@ -12,6 +12,12 @@ import re
 
 from pipeline.errors import StorageError
 
+# where OUT's writers put a shard's files: OUT/sets/<set>/part-<shard>.parquet, its keys in
+# OUT/sets/<set>/_hashes/<shard>.parquet, its skipped rows in OUT/_quarantine/<shard>.parquet
+PART_PREFIX = "part-"
+HASHES = "_hashes"
+QUARANTINE = "_quarantine"
+
 SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,199}$")
 

@@ -48,11 +48,10 @@ from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, FingerprintError, StorageError
 from pipeline.models.hashing import int8_hint
 from pipeline.models.similarity import Similarity
-from pipeline.names import file_name, set_name
+from pipeline.names import HASHES, PART_PREFIX, QUARANTINE, file_name, set_name
 from pipeline.vectors import vector_column, vectors_of
 
 META_FILE = "_SET.json"
-PART_PREFIX = "part-"
 
 
 class SetMeta(BaseModel):
@@ -184,9 +183,7 @@ def _shard_hashes(table: pa.Table, generation: int, id_type: pa.DataType, url: s
                   ) -> ShardHashes:
     """A hashes or leftovers table's keys (its other columns checked by the caller); ids not
     of the set's ``id_type`` are one line (they are joined to the ids the run reads)."""
-    if table.schema.field("id").type != id_type:
-        raise StorageError(f"{url}: its ids are {table.schema.field('id').type}, not the set's "
-                           f"{id_type}")
+    _check_id_type(table.schema, id_type, url)
     hashes = table.column("hash").combine_chunks().to_numpy(zero_copy_only=False)
     return ShardHashes(table.column("id").combine_chunks(), hashes, generation,
                        _born(table, generation))
@@ -264,9 +261,7 @@ def check_part_schema(url: str, schema: pa.Schema, dim: int, id_type: pa.DataTyp
     a set stores that one), is refused by name."""
     if "id" not in schema.names or "embedding" not in schema.names:
         raise StorageError(f"{url} is not a set part: it needs columns id and embedding")
-    if schema.field("id").type != id_type:
-        raise StorageError(f"{url}: its ids are {schema.field('id').type}, not the set's "
-                           f"{id_type}")
+    _check_id_type(schema, id_type, url)
     kind = schema.field("embedding").type
     if not pa.types.is_fixed_size_list(kind) or kind.value_type != pa.float32():
         raise FingerprintError(f"{url}: embedding is {kind}, not fixed_size_list<float32>")
@@ -275,6 +270,13 @@ def check_part_schema(url: str, schema: pa.Schema, dim: int, id_type: pa.DataTyp
             f"{url} holds {kind.list_size}-dim vectors but the set's _SET.json says dim {dim}; "
             "the set mixes vectors of two shapes"
         )
+
+
+def _check_id_type(schema: pa.Schema, id_type: pa.DataType, url: str) -> None:
+    """A file of the set stores its ids as the set's ``id_type`` (they are joined to others)."""
+    if schema.field("id").type != id_type:
+        raise StorageError(f"{url}: its ids are {schema.field('id').type}, not the set's "
+                           f"{id_type}")
 
 
 def check_ids(ids: pa.Array | pa.ChunkedArray, url: str) -> pa.Array | pa.ChunkedArray:
@@ -312,12 +314,12 @@ def shard_of(part: str) -> str | None:
 
 
 def quarantine_url(out: str, shard: str) -> str:
-    return storage.join(out, "_quarantine", f"{file_name(shard, 'a shard id')}.parquet")
+    return storage.join(out, QUARANTINE, f"{file_name(shard, 'a shard id')}.parquet")
 
 
 def quarantined_shards(out: str) -> set[str]:
     """Ids of the shards that have a quarantine file under ``OUT/_quarantine``."""
-    urls = storage.list_files(storage.join(out, "_quarantine"), ".parquet")
+    urls = storage.list_files(storage.join(out, QUARANTINE), ".parquet")
     return {url.rsplit("/", 1)[-1].removesuffix(".parquet") for url in urls}
 
 
@@ -431,14 +433,15 @@ class SetFolder:
     def part_url(self, shard: str) -> str:
         return self._at(part_name(shard))
 
-    def part_urls(self) -> list[str]:
+    def part_urls(self, markers: dict[str, ShardMarker] | None = None) -> list[str]:
         """URLs of the set's done parts, sorted: those whose shard has a done marker. A part
         written by a run that died before its marker is not the set's (a later run redoes or
         retires it: ``unmarked_shards``), so no reader sees its rows twice. A done shard with
-        rows but no part is one line: a reader would silently lack its rows."""
+        rows but no part is one line: a reader would silently lack its rows. ``markers``: the
+        set's (``read_markers``), where the caller read them; else each is read where needed."""
         marked, written = self.marked_shards(), self.written_shards()
         for shard in sorted(marked - written):  # a shard done without rows has no part
-            marker = self.read_marker(shard)
+            marker = self.read_marker(shard) if markers is None else markers.get(shard)
             if marker is not None and marker.rows:
                 raise StorageError(
                     f"{self.part_url(shard)}: missing or not a file, though shard {shard} is "
@@ -456,20 +459,16 @@ class SetFolder:
         them. ``markers``: the shards ``read_markers`` found, so a marker file that is not one
         counts as none (else its part stays the set's for good)."""
         hashed = (url.rsplit("/", 1)[-1][:-len(".parquet")]
-                  for url in storage.list_files(self._at("_hashes"), ".parquet"))
+                  for url in storage.list_files(self._at(HASHES), ".parquet"))
         written = self.written_shards() | {file_name(h, self.url) for h in hashed}
         return written - set(self.marked_shards() if markers is None else markers)
 
-    def checked_parts(self, meta: SetMeta, names: list[str] | None = None
-                      ) -> list[tuple[str, pq.FileMetaData]]:
-        """The done parts (``part_urls``; ``names``: those of them alone) with their footers,
-        each checked against the set (``check_part_schema``) and against its shard's done
-        marker: a part of other rows than its shard was done with is not the set's."""
-        urls = self.part_urls()
-        if names is not None:  # in their order, where they are still done parts
-            done = set(urls)
-            urls = [url for url in map(self.url_of, names) if url in done]
-        markers = self.read_markers() if urls else {}
+    def checked_parts(self, meta: SetMeta) -> list[tuple[str, pq.FileMetaData]]:
+        """The done parts (``part_urls``) with their footers, each checked against the set
+        (``check_part_schema``) and against its shard's done marker: a part of other rows
+        than its shard was done with is not the set's."""
+        markers = self.read_markers()  # each read once, for both checks
+        urls = self.part_urls(markers)
         found = []
         for url in urls:
             pf = storage.parquet_file(url)
@@ -529,7 +528,7 @@ class SetFolder:
         return storage.exists(self.part_url(shard))
 
     def _hashes_url(self, shard: str) -> str:
-        return self._at("_hashes", f"{file_name(shard, 'a shard id')}.parquet")
+        return self._at(HASHES, f"{file_name(shard, 'a shard id')}.parquet")
 
     def write_hashes(self, shard: str, ids: pa.Array, hashes: np.ndarray, generation: int,
                      born: np.ndarray | None = None) -> None:

@@ -24,7 +24,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from pipeline.config import Device, DType, Runner, load_toml
+from pipeline.config import DAY_S, Device, DType, Runner, load_toml
 from pipeline.errors import ConfigError
 
 ENV_PREFIX = "EMBEDPIPE_"
@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     dask_address: str | None = None
     s3_endpoint: str | None = None  # an S3-compatible store (MinIO); None = AWS
     cache: Path | None = None  # hardware probe cache; default ~/.cache/embedpipe
-    lease_ttl: float | None = Field(default=None, ge=0.5, le=86_400)  # writer lease, s (60)
+    lease_ttl: float | None = Field(default=None, ge=0.5, le=DAY_S)  # writer lease, s (60)
     # learned heads the operator keeps here may be taken from a set's _SET.json by a run that
     # names no pooler (the nightly); no other head path is ever read from OUT's files
     heads: str | None = None

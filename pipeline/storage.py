@@ -43,6 +43,7 @@ from fsspec.core import url_to_fs
 from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import ConfigError, StorageError
+from pipeline.names import QUARANTINE
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -350,7 +351,7 @@ def refuse_linked_folders(url: str) -> None:
                     _refuse_link(os.path.join(folder, name), url)
 
 
-WRITTEN_FOLDERS = ("sets", "index", "_quarantine")  # of an OUT: what writers write and prune
+WRITTEN_FOLDERS = ("sets", "index", QUARANTINE)  # of an OUT: what writers write and prune
 
 
 def _refuse_link(path: str, out: str) -> None:

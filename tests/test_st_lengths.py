@@ -174,3 +174,29 @@ def test_a_pooler_trained_over_a_left_truncating_tokenizer_sees_the_rows_it_embe
     means = cache.flat[cache.offsets[:-1], 0].numpy()
     embedded = ours.embed(TextBatch(list(range(len(texts))), texts)).vectors["mean"]
     assert_same(means, embedded, "the training cache's means")
+
+
+@pytest.mark.parametrize("which", ["minilm", "tiny"])
+def test_the_row_limit_read_before_a_load_is_the_loaded_encoders(minilm_dir, tiny_model_dir,
+                                                                  which):
+    """A job's checks read it without loading the model: they took the positions (512 for
+    MiniLM) where a run reads max_seq_length (256), and let a window of 300 through to fail
+    at every run's load."""
+    from pipeline.assembly import check_model_choices
+    from pipeline.config import EmbedJob, EncoderConfig
+    from pipeline.embedder import Embedder
+    from pipeline.errors import ConfigError
+    from pipeline.models import loader, recorded
+
+    model = minilm_dir if which == "minilm" else tiny_model_dir
+    files = loader.read_model_files(str(model))
+    config, _ = recorded.load(files, files.model_hash(), False)
+    loaded = Embedder(EncoderConfig(model=str(model), dtype="fp32", device="cpu"),
+                      [PoolerSpec(name="mean")]).encoder.max_length
+    assert loader.max_length(files, config) == loaded
+    wider = EmbedJob(corpus="c", out="o", poolers=(PoolerSpec(name="mean"),),
+                     encoder=EncoderConfig(model=str(model), device="cpu", dtype="fp32",
+                                           window=WindowConfig(size=loaded + 1, stride=8)))
+    with pytest.raises(ConfigError, match=f"window size {loaded + 1} is above the tokens "
+                                          f"model .* reads \\({loaded}\\)"):
+        check_model_choices(wider)

@@ -26,7 +26,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from pipeline import storage
 from pipeline.config import LeaseWait
 from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, StorageError
@@ -43,7 +42,7 @@ from pipeline.index.plan import (
     parse_bytes,
     plan_index,
 )
-from pipeline.index.setdata import Part, SetVectors
+from pipeline.index.setdata import SetVectors
 from pipeline.index.tune import tune
 from pipeline.lease import check_held
 from pipeline.sets import SetChanges, SetFolder, SetMeta, list_sets, repeated_ids, shard_of
@@ -209,24 +208,24 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
     index = _new_index(plan, info.dim)
     rng = np.random.default_rng(req.seed)
     query_pos, train_pos = _sample_positions(rng, rows, req.queries, plan.train_rows)
-    _, queries = data.gather(query_pos)
+    query_ids, queries = data.gather(query_pos)
     if not index.is_trained:
         _, train = data.gather(train_pos)
         say(f"index {info.name}: training on {len(train):,} rows")
         _train(index, train, plan.factory, rows)
         del train
-    idmap = IdMap.empty(_id_type(data.parts))
+    idmap = IdMap.empty(arrow_id_type(info.id_type))  # every part's (checked_parts)
     exact = ExactTopK(queries, 10, info.metric)
     # the query sample is held back while tuning, as real queries are no rows of the set (a
     # row searched for itself is its own nearest, and HNSW finds the rest through it: on
     # 20,000 MiniLM summaries 0.95 was measured where summaries not in the set got 0.85); a
     # set too small to spare them tunes on them in place
     held = query_pos if rows >= 2 * len(query_pos) else query_pos[:0]
-    aside = _add_rows(data, index, plan.factory, idmap, exact, held, req.batch_rows)
+    _add_rows(data, index, plan.factory, idmap, exact, held, req.batch_rows)
     params, recall, tried = tune(IndexHandle(index, idmap, {}), queries, exact.result(),
                                  req.recall_target)
-    for ids, vectors in aside:  # then they join the index
-        _append(index, plan.factory, idmap, ids, vectors)
+    if len(held):  # then they join the index
+        _append(index, plan.factory, idmap, query_ids, queries)
     _refuse_duplicates(idmap, info, req.out)
     handle = IndexHandle(index, idmap, params)
     meta = _meta(req, info, budget, plan.memory_estimate, handle, previous, started,
@@ -304,21 +303,18 @@ def _faiss_reason(exc: RuntimeError) -> str:
 
 
 def _add_rows(data: SetVectors, index: faiss.Index, factory: str, idmap: IdMap,
-              exact: ExactTopK, held: np.ndarray, batch_rows: int
-              ) -> list[tuple[pa.Array, np.ndarray]]:
+              exact: ExactTopK, held: np.ndarray, batch_rows: int) -> None:
     """Every row of ``data`` into ``index``, ``idmap`` and ``exact``, but those at the sorted
-    positions ``held``: returned, to be added once the index is tuned."""
-    aside, offset = [], 0
+    positions ``held`` (the tuning sample, added once the index is tuned)."""
+    offset = 0
     for ids, vectors in data.iter_batches(batch_rows):
         lo, hi = np.searchsorted(held, [offset, offset + len(ids)])
-        back = np.zeros(len(ids), bool)
-        back[held[lo:hi] - offset] = True
+        keep = np.ones(len(ids), bool)
+        keep[held[lo:hi] - offset] = False
         offset += len(ids)
-        if back.any():
-            aside.append((ids.filter(pa.array(back)), vectors[back]))
-            ids, vectors = ids.filter(pa.array(~back)), vectors[~back]
+        if not keep.all():
+            ids, vectors = ids.filter(pa.array(keep)), vectors[keep]
         exact.add(_append(index, factory, idmap, ids, vectors), vectors)
-    return aside
 
 
 def _append(index: faiss.Index, factory: str, idmap: IdMap, ids: pa.Array,
@@ -341,10 +337,6 @@ def _sample_positions(rng: np.random.Generator, rows: int, queries: int,
     rest = order[len(q):]
     t = rest[:train] if len(rest) >= train else order[:train]
     return np.sort(q), np.sort(t)
-
-
-def _id_type(parts: list[Part]) -> pa.DataType:
-    return storage.parquet_file(parts[0].url).schema_arrow.field("id").type
 
 
 def _refuse_duplicates(idmap: IdMap, info: SetMeta, out: str) -> None:
@@ -385,7 +377,8 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
     folder = SetFolder(req.out, info.name)
     names = sorted({name for change in changes for name in change.parts})
     deleted = [i for change in changes for i in change.deleted_ids]
-    touched = SetVectors.of(folder, info, names)
+    data = SetVectors.of(folder, info)  # the markers and footers read once, for both
+    touched = data.only(names)
     gone = idmap.drop_ids(pa.array(deleted, idmap.ids.type))
     fresh = _fresh_ids(folder, touched, idmap, current.generation)
     dropped = np.concatenate([gone, idmap.drop_ids(fresh)])
@@ -398,7 +391,6 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
         _add(index, vectors, labels, current.factory)
         idmap.append(labels, ids)
         added += len(ids)
-    data = SetVectors.of(folder, info)
     expected = data.rows
     if len(idmap) != expected:
         return None, f"catch-up left {len(idmap):,} rows but the set has {expected:,}"

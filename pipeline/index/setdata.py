@@ -37,11 +37,15 @@ class SetVectors:
     unit: bool = False
 
     @classmethod
-    def of(cls, folder: SetFolder, info: SetMeta, names: list[str] | None = None) -> SetVectors:
-        """Every part of the set (``names``: those parts alone, where they still exist),
-        checked against its ``_SET.json``."""
-        parts = [_part(url, meta) for url, meta in folder.checked_parts(info, names)]
+    def of(cls, folder: SetFolder, info: SetMeta) -> SetVectors:
+        """Every done part of the set, checked (``SetFolder.checked_parts``)."""
+        parts = [_part(url, meta) for url, meta in folder.checked_parts(info)]
         return cls(parts, info.dim, info.unit_search)
+
+    def only(self, names: list[str]) -> SetVectors:
+        """The parts named ``names`` (file names), in that order, where they are still parts."""
+        by_name = {part.name: part for part in self.parts}
+        return SetVectors([by_name[n] for n in names if n in by_name], self.dim, self.unit)
 
     @property
     def rows(self) -> int:

@@ -240,17 +240,31 @@ def _hub(trust_remote_code: bool) -> dict:
     return {"local_files_only": True, "trust_remote_code": trust_remote_code}
 
 
-def max_length(files: ModelFiles, tokenizer: PreTrainedTokenizerFast, config: ModelConfig
-               ) -> int:
+def max_length(files: ModelFiles, config: ModelConfig,
+               tokenizer: PreTrainedTokenizerFast | None = None) -> int:
     """Tokens per row as sentence-transformers truncates: a saved max_seq_length, else the
     tokenizer's limit (a plain HF folder: at most 512), capped at the positions a row can
     read (``usable_positions``: sentence-transformers' cap at ``max_position_embeddings``
     leaves a model numbering tokens after its padding index failing on a long text; where it
-    gives vectors, this cap gives the same)."""
-    limit = int(tokenizer.model_max_length)
+    gives vectors, this cap gives the same). Without the loaded ``tokenizer``, its limit as
+    ``load_tokenizer`` sets it (a job's checks before any load)."""
+    limit = (int(tokenizer.model_max_length) if tokenizer is not None
+             else _tokenizer_limit(files))
     if not files.sentence_transformers:
         limit = min(limit, PLAIN_MAX_LENGTH)
     return min(limit, usable_positions(config))
+
+
+def _tokenizer_limit(files: ModelFiles) -> int:
+    """The tokenizer's ``model_max_length`` as ``load_tokenizer`` makes it, unloaded: its
+    arguments', else max_seq_length, else its tokenizer_config.json's (else none: no limit)."""
+    given = files.transformer.tokenizer_args.get("model_max_length")
+    if given is None:
+        given = files.transformer.max_seq_length
+    if given is None:
+        config = files.transformer_dir / "tokenizer_config.json"
+        given = read_json(config).get("model_max_length") if config.is_file() else None
+    return int(given) if isinstance(given, int | float) and given > 0 else 1 << 62
 
 
 def load_failed(folder: Path, exc: BaseException) -> ModelError:

@@ -10,7 +10,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, SecretStr
 
 from pipeline.client import API_KEY_ENV, key_problem
-from pipeline.config import AS_LIST, STRICT
+from pipeline.config import AS_LIST, DAY_S, STRICT
 from pipeline.errors import ConfigError
 from pipeline.ranking import MAX_K
 
@@ -19,7 +19,6 @@ MAX_BATCH = 256
 KEY_FILE_ENV = "EMBEDPIPE_API_KEY_FILE"
 
 
-DAY_S = 86_400.0  # the longest wait a server option may name (a thread's wait cannot be inf)
 
 
 class ServerConfig(BaseModel):
