@@ -585,8 +585,9 @@ class SetFolder:
         record. A marker naming a shard id that is not a plain name is refused with one
         line."""
         markers = {}
-        for url in storage.list_files(self._at("_done"), ".json"):
-            marker = _marker(storage.read_bytes(url))
+        urls = storage.list_files(self._at("_done"), ".json")
+        for url, raw in zip(urls, storage.read_files(urls), strict=True):
+            marker = None if raw is None else _marker(raw)  # None: removed since listed
             if marker is None:
                 continue
             file_name(marker.shard, url)

@@ -10,7 +10,8 @@ Two server-side tools make failures real rather than mocked:
 - ``faults``: a WSGI layer in front of moto that, for uploads whose key matches a pattern,
   reads half of the request body and then answers ``500 InternalError`` — what S3 does when an
   upload dies on its side. The client's real retry logic then either absorbs the failure
-  (a transient fault) or gives up (a persistent one). It also logs every upload it sees.
+  (a transient fault) or gives up (a persistent one). It also logs every upload and read it
+  sees, and can hold reads as a distant store's latency would (``slow_reads``).
 
 The layer also makes a conditional PUT (``If-Match`` / ``If-None-Match``) one step, as S3
 does: moto 5.2 checks the condition and then writes, so two racing conditional PUTs could
@@ -23,6 +24,7 @@ import json
 import logging
 import re
 import threading
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -62,6 +64,11 @@ class Faults:
     """Upload faults and a log of uploads (``bucket/key`` of every PUT that reached moto)."""
 
     uploads: list[str] = field(default_factory=list)
+    # every GET and HEAD that reached moto, as (method, bucket/key); the most held at once
+    reads: list[tuple[str, str]] = field(default_factory=list)
+    reads_at_once: int = 0
+    read_delay: float = 0.0
+    _reading: int = 0
     _rules: list[_Rule] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _conditional: threading.Lock = field(default_factory=threading.Lock)
@@ -93,8 +100,34 @@ class Faults:
                     return rule
             return None
 
+    @contextmanager
+    def slow_reads(self, seconds: float) -> Iterator[None]:
+        """Hold every GET and HEAD ``seconds`` before moto answers it (a store's latency):
+        reads made one after another then take that long each, reads made at once overlap
+        (``reads_at_once``)."""
+        self.read_delay, self.reads_at_once = seconds, 0
+        try:
+            yield
+        finally:
+            self.read_delay = 0.0
+
+    def _read(self, app, environ, start_response):
+        key = unquote(environ.get("PATH_INFO", "")).lstrip("/")
+        with self._lock:
+            self.reads.append((environ["REQUEST_METHOD"], key))
+            self._reading += 1
+            self.reads_at_once = max(self.reads_at_once, self._reading)
+        try:
+            time.sleep(self.read_delay)
+            return app(environ, start_response)
+        finally:
+            with self._lock:
+                self._reading -= 1
+
     def wrap(self, app):
         def middleware(environ, start_response):
+            if environ["REQUEST_METHOD"] in ("GET", "HEAD"):
+                return self._read(app, environ, start_response)
             if environ["REQUEST_METHOD"] != "PUT":
                 return app(environ, start_response)
             key = unquote(environ.get("PATH_INFO", "")).lstrip("/")

@@ -394,7 +394,7 @@ def test_access_denied_by_policy(s3_server, s3_bucket: str, monkeypatch) -> None
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", creds.secret)
     with s3_server.iam_enforced():
         for call in (storage.read_bytes, storage.read_parquet, storage.parquet_file,
-                     lambda u: storage.write_bytes(u, b"x")):
+                     lambda u: storage.read_files([u]), lambda u: storage.write_bytes(u, b"x")):
             with pytest.raises(StorageError) as exc:
                 call(url)
             reason = one_line(exc).split("access denied ", 1)[1]
