@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -427,9 +427,14 @@ def _write_set(request: ShardRequest, work: SetWork, rows: ShardHashes,
     if len(removed) and work.moved:
         _keep_leftovers(folder, generation, shard.id, removed, old_hashes[left],
                         stored)
-    if work.prior is not None:  # its rows change: not done until the new marker (a run that
-        folder.remove_marker(shard.id)  # dies in between must not leave the old one on them)
+    # its rows change: not done until the new marker (a run that dies in between must not
+    # leave the old one on them)
+    if work.prior is not None and not folder.remove_marker(shard.id, only_if=work.prior):
+        _taken(request, work)
     faults.hit("write_part", f"{shard.id}/{work.name}")
+    _fence(request)
+    if folder.read_marker(shard.id) is not None:
+        _taken(request, work)
     if len(ids):
         folder.write_part(shard.id, ids, matrix)
         folder.write_hashes(shard.id, ids, hashes, generation, rows.born)
@@ -461,6 +466,19 @@ def _fence(request: ShardRequest) -> None:
         from pipeline.lease import check_holder
 
         check_holder(request.job.out, request.lease)
+
+
+def _taken(request: ShardRequest, work: SetWork) -> NoReturn:
+    """Stop: the shard's done marker is not the one this run planned from (or removed), so
+    a writer that took OUT over while this one stalled has redone the shard since."""
+    from pipeline.lease import LeaseLost
+
+    _fence(request)  # the lease lost, where the run holds one: its own line
+    raise LeaseLost(
+        f"shard {request.shard.id} of set {work.name!r} in {request.job.out} was done by "
+        "another writer while this run worked on it; this run stopped before writing it: "
+        "rerun to resume"
+    )
 
 
 def _write_quarantine(request: ShardRequest, tables: list[pa.Table]) -> None:

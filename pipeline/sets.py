@@ -599,8 +599,13 @@ class SetFolder:
         names = (url.rsplit("/", 1)[-1] for url in storage.list_files(self._at("_done"), ".json"))
         return {file_name(n[:-len(".json")], self.url) for n in names}
 
-    def remove_marker(self, shard: str) -> None:
+    def remove_marker(self, shard: str, only_if: ShardMarker | None = None) -> bool:
+        """Remove the shard's done marker; with ``only_if``, only while it is that marker (or
+        none): returns False, removing nothing, where another writer wrote its own since."""
+        if only_if is not None and self.read_marker(shard) not in (only_if, None):
+            return False
         storage.remove(self._marker_url(shard))
+        return True
 
     # ---- removals and changes --------------------------------------------------------------
 

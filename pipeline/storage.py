@@ -619,13 +619,18 @@ def upload_dir(local: str | Path, url: str) -> None:
                 target = dest / p.relative_to(src)
                 _write_local_atomic(str(target), lambda fh, p=p: _copy_into(p, fh))
         return
-    fs, path = filesystem(url)
     if not files:
+        fs, _ = filesystem(url)
         _require_bucket(fs, url, "upload to")
     for p in files:
-        rel = p.relative_to(src).as_posix()
-        with explained(join(url, rel), "upload to"):
-            fs.put_file(str(p), f"{path.rstrip('/')}/{rel}")
+        put_file(p, join(url, p.relative_to(src).as_posix()))
+
+
+def put_file(local: str | Path, url: str) -> None:
+    """Upload the local file ``local`` to remote ``url`` (an object appears whole or not)."""
+    fs, path = filesystem(url)
+    with explained(url, "upload to"):
+        fs.put_file(str(local), path)
 
 
 def _botocore_credentials() -> dict[str, str]:

@@ -409,6 +409,111 @@ def test_a_writer_that_lost_out_records_no_run_in_it(out, tmp_path, tiny_model_d
     assert holder(out)["command"] == "nightly" and holder(out)["released"]
 
 
+def _stall_past_ttl(lease: WriterLease) -> None:
+    """The holder stalls (a GC, a frozen VM): no renewals, past its TTL."""
+    lease._stop.set()
+    lease._thread.join()
+    time.sleep(TTL * 1.2)
+
+
+def _take_over(code: str) -> str:
+    """Another process takes OUT over and runs ``code`` (``out``, ``index_set`` and
+    ``run_library`` at hand) under the lease as 'nightly'; returns what it printed."""
+    taker = child(textwrap.dedent(f"""
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        from _flowkit import run_library
+        from pipeline.index import IndexRequest, index_set
+    """) + textwrap.dedent(code))
+    stdout, stderr = taker.communicate(timeout=300)
+    assert taker.returncode == 0, stderr
+    return stdout.strip()
+
+
+@pytest.mark.parametrize("stall_at", ["_stage", "_prune"])
+def test_an_index_writer_that_lost_out_leaves_the_takers_index_alone(stall_at, tmp_path,
+                                                                     tiny_model_dir,
+                                                                     monkeypatch):
+    """An index build stalls past its TTL while it writes its files (``_stage``), or once it
+    published them, before it prunes older versions (``_prune``); another writer takes OUT over
+    and publishes a newer index. The stalled build then stops with one line: it published its
+    stale generation over the newer one, or pruned the newer one's files, so that
+    ``_INDEX.json`` named files that were gone and every query failed."""
+    from _flowkit import job, run_library, text_for, write_corpus
+
+    from pipeline.index import IndexRequest, index_set, store
+    from pipeline.lease import LeaseLost
+
+    out = str(tmp_path / "out")
+    corpus = write_corpus(tmp_path / "c.parquet", list(range(40)),
+                          [text_for(i) for i in range(40)])
+    run_library(job(corpus, out, tiny_model_dir))
+    with writer_lease(out, "index"):
+        index_set(IndexRequest(out=out, set_name="mean"))
+    real = getattr(store, stall_at)
+    taken = []
+
+    def stalled(*args, **kwargs):
+        _stall_past_ttl(lease)
+        taken.append(_take_over(f"""
+            with writer_lease({out!r}, "nightly"):
+                print(index_set(IndexRequest(out={out!r}, set_name="mean",
+                                             rebuild=True)).meta.token)
+        """))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, stall_at, stalled)
+    with writer_lease(out, "index") as lease, pytest.raises(LeaseLost, match="to 'nightly'"):
+        index_set(IndexRequest(out=out, set_name="mean", rebuild=True))
+    monkeypatch.undo()
+    published = store.read_meta(out, "mean")
+    assert published.token == taken[0]
+    assert store.local_files(out, published)  # its files are there, their SHA-256 as recorded
+    assert not store.missing_files(out, published)
+
+
+def test_a_shard_writer_that_lost_out_removes_none_of_the_takers_work(tmp_path,
+                                                                    tiny_model_dir,
+                                                                    monkeypatch):
+    """A shard whose texts changed stalls past its TTL just before it removes the shard's old
+    done marker; another writer takes OUT over and redoes the shard. The stalled shard then
+    stops: it removed the taker's marker, so the set silently lacked the shard's rows that
+    _SET.json and the index counted."""
+    from _flowkit import job, run_library, text_for, write_corpus
+
+    from pipeline.config import EmbedJob, parse
+    from pipeline.embedder import get_embedder
+    from pipeline.job import embed_shard
+    from pipeline.lease import LeaseLost
+    from pipeline.run import prepare
+    from pipeline.sets import SetFolder, scan_set
+
+    out, corpus = str(tmp_path / "out"), tmp_path / "c.parquet"
+    write_corpus(corpus, list(range(20)), [text_for(i) for i in range(20)])
+    given = job(corpus, out, tiny_model_dir)
+    run_library(given)
+    write_corpus(corpus, list(range(20)), [text_for(i, "revised") for i in range(20)])
+    spec = parse(EmbedJob, given, "job")
+    real = SetFolder.remove_marker
+
+    def stalled(self, *args, **kwargs):
+        _stall_past_ttl(lease)
+        _take_over(f"""
+            with writer_lease({out!r}, "nightly"):
+                run_library({given!r})
+        """)
+        return real(self, *args, **kwargs)
+
+    with writer_lease(out, "embed") as lease:
+        plan = prepare(spec, lambda: get_embedder(spec.encoder, spec.poolers),
+                       lease=lease.token)
+        monkeypatch.setattr(SetFolder, "remove_marker", stalled)
+        with pytest.raises(LeaseLost, match="to 'nightly'"):
+            embed_shard(plan.requests[0])
+    monkeypatch.undo()
+    assert sorted(scan_set(out, "mean").collect()["id"].to_list()) == list(range(20))
+    assert SetFolder(out, "mean").meta().rows_written == 20
+
+
 def test_another_thread_of_the_process_is_another_writer(out):
     """Two threads of one process (a service calling ``embedpipe.embed`` from a pool) on one
     OUT: the second waits for the first, or fails naming it; the taker's own thread re-enters."""

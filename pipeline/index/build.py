@@ -44,7 +44,6 @@ from pipeline.index.plan import (
 )
 from pipeline.index.setdata import SetVectors
 from pipeline.index.tune import tune
-from pipeline.lease import check_held
 from pipeline.sets import SetChanges, SetFolder, SetMeta, list_sets, repeated_ids, shard_of
 
 log = logging.getLogger("embedpipe.index")
@@ -139,9 +138,10 @@ def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
                            reason=f"kind changed from {current.kind} to {req.kind}")
     changes = _changes_since(req.out, info, current.generation)
-    if changes is None:
+    lost = "a changes file is missing" if changes is None else _lost(req.out, current)
+    if lost:
         return IndexResult(meta=_full(req, info, budget, current, say, _kept_kind(req, current)),
-                           action="built", reason="a changes file is missing")
+                           action="built", reason=lost)
     if not changes:
         return IndexResult(meta=current, action="up to date")
     meta, reason = _catch_up(req, info, budget, current, changes, say)
@@ -176,6 +176,13 @@ def _replaced(current: store.IndexMeta, info: SetMeta) -> str:
         return (f"the set was replaced (the index is at generation {current.generation}, "
                 f"the set at {info.generation})")
     return ""
+
+
+def _lost(out: str, current: store.IndexMeta) -> str:
+    """Why the published index cannot be caught up from ("" when it can): its files went."""
+    missing = store.missing_files(out, current)
+    return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" \
+        if missing else ""
 
 
 def _changes_since(out: str, info: SetMeta, since: int) -> list[SetChanges] | None:
@@ -233,7 +240,6 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
                  asked_kind=plan.factory if plan.kind == "factory" else kind)
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
-    check_held(req.out)  # a writer that lost OUT's lease publishes nothing into it
     meta = store.publish(req.out, index, idmap, meta)
     return meta
 
@@ -252,7 +258,6 @@ def _empty(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexM
     meta = _meta(req, info, budget, 0, handle, previous, started, kind="flat", factory=factory,
                  mode="full", next_label=previous.next_label or 0,
                  asked_kind=previous.asked_kind)
-    check_held(req.out)
     return store.publish(req.out, index, handle.idmap, meta)
 
 
@@ -416,7 +421,6 @@ def _catch_up(req: IndexRequest, info: SetMeta, budget: int, current: store.Inde
                  next_label=first + added, asked_kind=current.asked_kind)
     meta = meta.model_copy(update={"params": params, "recall_at_10": recall, "tuning": tried,
                                    "recall_queries": len(queries)})
-    check_held(req.out)  # a writer that lost OUT's lease publishes nothing into it
     meta = store.publish(req.out, index, idmap, meta)
     return meta, f"+{added:,} -{len(dropped):,} rows"
 

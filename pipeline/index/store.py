@@ -21,6 +21,8 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,10 +32,11 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import storage
-from pipeline.errors import FingerprintError, StorageError
+from pipeline.errors import EmbedpipeError, FingerprintError, StorageError
 from pipeline.index.handle import params_problem
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import NAMED_KINDS
+from pipeline.lease import LeaseLost, check_held
 from pipeline.names import file_name, set_name
 from pipeline.settings import cache_root
 
@@ -154,6 +157,14 @@ def _checked(meta: IndexMeta, name: str, url: str) -> IndexMeta:
     return meta
 
 
+def missing_files(out: str, meta: IndexMeta) -> list[str]:
+    """The files ``meta`` names that are not in the index folder (lost by the store, removed
+    by hand or by a writer that lost OUT's lease): the index must be built again."""
+    folder = index_url(out, meta.name)
+    return [url for url in (storage.join(folder, meta.index_file),
+                            storage.join(folder, meta.idmap_file)) if not storage.exists(url)]
+
+
 def _is_sha256(value: str | None) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef"
                                                                for c in value)
@@ -165,23 +176,42 @@ def new_token() -> str:
 
 def publish(out: str, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> IndexMeta:
     """Write the index files under new names, then ``_INDEX.json`` with their SHA-256; prune
-    old versions. Returns ``meta`` with the checksums, as a reader will find it."""
+    old versions. Returns ``meta`` with the checksums, as a reader will find it.
+
+    A writer that lost OUT's lease while it built (paused past its TTL: another writer took
+    OUT over and may have published since) publishes nothing: just before ``_INDEX.json`` is
+    replaced, the lease is checked and ``_INDEX.json`` must still name the index this build
+    replaced (``previous_token``); the prune then keeps every version ``_INDEX.json`` names."""
     dest = index_url(out, meta.name)
+    check_held(out)  # nothing staged in OUT by a writer that lost it
+    with _staging(dest, meta.token) as folder:
+        meta = _stage(folder, index, idmap, meta)
+        files = [meta.index_file, meta.idmap_file]
+        _place(folder, dest, files, out)  # fresh names: no reader looks for them yet
+        try:
+            _check_replacing(out, meta)
+        except EmbedpipeError:
+            for name in files:
+                storage.remove(storage.join(dest, name))
+            raise
+        _place(folder, dest, [MARKER], out)
+    _prune(out, meta)
+    return meta
+
+
+@contextmanager
+def _staging(dest: str, token: str) -> Iterator[Path]:
+    """A local folder to write a build's files in: beside the index (a rename then moves
+    each into place), or a temporary one to upload from (a remote OUT)."""
     if storage.is_remote(dest):
         with tempfile.TemporaryDirectory(prefix="embedpipe-index-") as tmp:
-            meta = _stage(Path(tmp), index, idmap, meta)
-            storage.upload_dir(tmp, dest)  # files whose names start with "_" go last
-    else:
-        folder = Path(storage.local_path(dest))
-        staging = folder / f"{storage.STAGING_PREFIX}{meta.token}"
-        try:
-            meta = _stage(staging, index, idmap, meta)
-            for name in (meta.index_file, meta.idmap_file, MARKER):
-                os.replace(staging / name, folder / name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    _prune(dest, keep={meta.token, meta.previous_token})
-    return meta
+            yield Path(tmp)
+        return
+    staging = Path(storage.local_path(dest)) / f"{storage.STAGING_PREFIX}{token}"
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _stage(folder: Path, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> IndexMeta:
@@ -196,9 +226,56 @@ def _stage(folder: Path, index: faiss.Index, idmap: IdMap, meta: IndexMeta) -> I
     return meta
 
 
-def _prune(dest: str, keep: set[str | None]) -> None:
-    """Remove the index and id map files of versions not in ``keep`` (files only: a folder
-    someone made there is theirs)."""
+def _place(folder: Path, dest: str, names: list[str], out: str) -> None:
+    """Move (local) or upload (remote) the staged files ``names`` into ``dest``. A staged
+    file gone from a local OUT was removed as a stale temporary by a writer that took OUT
+    over: that is the lease lost (``check_held``), not a failed write."""
+    for name in names:
+        if storage.is_remote(dest):
+            storage.put_file(folder / name, storage.join(dest, name))
+            continue
+        try:
+            os.replace(folder / name, Path(storage.local_path(dest)) / name)
+        except OSError:
+            check_held(out)
+            with storage.explained(storage.join(dest, name), "write"):
+                raise
+
+
+def _check_replacing(out: str, meta: IndexMeta) -> None:
+    """Raise ``LeaseLost`` unless this process still holds OUT's lease and ``_INDEX.json``
+    still names the index ``meta`` replaces (none: ``previous_token`` None)."""
+    check_held(out)
+    published = _named(out, meta.name, current_only=True)
+    if published != ({meta.previous_token} - {None}):
+        raise LeaseLost(
+            f"the index of set {meta.name!r} in {out} was published by another writer while "
+            f"this one built it (token {', '.join(sorted(published))}, not "
+            f"{meta.previous_token}); it stopped before publishing: rerun to bring the index "
+            "up to date"
+        )
+
+
+def _named(out: str, name: str, current_only: bool = False) -> set[str]:
+    """The tokens ``_INDEX.json`` names now (its own and ``previous_token``, or its own only);
+    none where it is missing or not a valid description (a rebuild replaces that)."""
+    try:
+        meta = read_meta(out, name)
+    except StorageError:
+        return set()
+    if meta is None:
+        return set()
+    return {meta.token} if current_only else {meta.token, meta.previous_token} - {None}
+
+
+def _prune(out: str, meta: IndexMeta) -> None:
+    """Remove the index and id map files of versions other than ``meta``'s, the one it
+    replaced and those ``_INDEX.json`` names as the prune starts (files only: a folder someone
+    made there is theirs): a writer that lost OUT's lease after it published never removes
+    what the writer that took OUT over published since."""
+    check_held(out)
+    dest = index_url(out, meta.name)
+    keep = {meta.token, meta.previous_token} | _named(out, meta.name)
     for url in storage.list_regular_files(dest):
         name = url.rsplit("/", 1)[-1]
         if not name.startswith(("index-", "idmap-")):
