@@ -299,7 +299,9 @@ def _needs_attention(spec: PoolerSpec) -> bool:
     return bool(cls and cls.needs_attention)
 
 
-_CACHE: dict[str, Embedder] = {}  # read and written on the torch thread only
+# read and written on the torch thread only: each config's Embedder, with the digests of the
+# learned heads' files it loaded
+_CACHE: dict[str, tuple[Embedder, list[list[str]]]] = {}
 
 
 def preload(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> threading.Thread:
@@ -321,8 +323,9 @@ def preload(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> threading.
 def get_embedder(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> Embedder:
     """The process-wide Embedder for this config: the model is loaded once per worker (on the
     process's torch thread, see ``pipeline.torch_thread``), and again (replacing the old one)
-    when the model's files changed since (a long-lived worker across nightly runs; the files'
-    hash is stat-cached, see ``pipeline.models.hashing``)."""
+    when the model's files or a learned head's changed since (a long-lived worker or server
+    across nightly runs, a head trained again in place; the model files' hash is stat-cached,
+    see ``pipeline.models.hashing``)."""
     return on_torch_thread(_cached_embedder, encoder, poolers)
 
 
@@ -333,8 +336,18 @@ def _cached_embedder(encoder: EncoderConfig, poolers: Sequence[PoolerSpec]) -> E
         [encoder.model_dump(mode="json"), [p.model_dump(mode="json") for p in poolers]],
         sort_keys=True,
     )
-    cached = _CACHE.get(key)
-    if cached is None or folder_hash(encoder.model) != cached.encoder.files_hash:
+    heads = _head_digests(poolers)
+    cached, loaded_heads = _CACHE.get(key, (None, None))
+    if (cached is None or folder_hash(encoder.model) != cached.encoder.files_hash
+            or heads != loaded_heads):
         torch.set_grad_enabled(False)
-        _CACHE[key] = Embedder(encoder, poolers)
-    return _CACHE[key]
+        cached = Embedder(encoder, poolers)
+        _CACHE[key] = cached, heads
+    return cached
+
+
+def _head_digests(poolers: Sequence[PoolerSpec]) -> list[list[str]]:
+    """The SHA-256 of each learned head's two files, as they are now."""
+    from pipeline.head_files import head_file_digests
+
+    return [head_file_digests(p.head) for p in poolers if p.head is not None]

@@ -318,7 +318,8 @@ def _check_fingerprints(embedder: Embedder, sets: list[SetWork]) -> None:
         if made != work.fingerprint:
             raise FingerprintError(
                 f"set {work.name!r}: this worker's model makes fingerprint {made}, the run "
-                f"planned {work.fingerprint} (model files changed during the run?); rerun"
+                f"planned {work.fingerprint} (model files or a pooling head changed during "
+                "the run?); rerun"
                 + int8_hint(None, embedder.info.model_hash)
             )
 

@@ -21,9 +21,10 @@ between shards and before ``finalize`` and an index's publish) then raises ``Lea
 a shard's worker, in whichever process it runs, reads the lease before it writes a set's files
 and before the marker that makes them the set's (``check_holder``): a writer paused past its
 TTL writes nothing more into an OUT another writer took over, but for the moment between a
-check and the write it guards (the README's "One writer per OUT: the lease"). The lease is re-entrant within the
-thread that took it (an embed flow that also indexes does not wait for itself; another thread
-of the process is another writer) and released on exit, normal or not. Expiry compares the
+check and the write it guards (the README's "One writer per OUT: the lease"). The lease is
+re-entrant within the thread that took it (an embed flow that also indexes does not wait for
+itself; another thread of the process is another writer) and released on exit, normal or
+not. Expiry compares the
 holder's last renewal time with the taker's clock: writers' clocks must agree to well within
 the TTL (NTP does this).
 """

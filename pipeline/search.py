@@ -102,7 +102,8 @@ class QueryEncoder:
         if made != info.fingerprint:
             raise FingerprintError(
                 f"set {info.name!r} was made with fingerprint {info.fingerprint} but its "
-                f"model and pooler load as {made} now (model files changed?); re-embed the set"
+                f"model and pooler load as {made} now (its model files or pooling head "
+                "changed since?); re-embed the set"
             )
         _check_comparison(info, self.embedder.info.similarity, spec.normalize)
         self.lock = threading.Lock()  # one forward pass at a time per model

@@ -63,6 +63,31 @@ def served(folder: Path, model: Path) -> tuple[str, np.ndarray]:
     return emb.fingerprint("learned"), vectors
 
 
+def test_a_head_trained_again_in_place_is_loaded_again_by_a_long_lived_process(
+        head_dir: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A process that used a head (the Python API across runs, a Dask worker, ``serve``) kept
+    it by its path after the head was trained again in place: it wrote the old head's vectors
+    into new sets, and served them for queries of sets made with the new one."""
+    import pipeline.embedder
+    from pipeline.embedder import get_embedder
+
+    monkeypatch.setattr(pipeline.embedder, "_CACHE", {})
+    folder = shutil.copytree(head_dir, tmp_path / "head")
+    encoder = EncoderConfig(model=str(tiny_model_dir), dtype="fp32", device="cpu")
+    specs = [PoolerSpec(name="learned", strategy="learned", head=str(folder))]
+    batch = TextBatch(list(range(len(TEXTS))), TEXTS)
+    before = get_embedder(encoder, specs).embed(batch).vectors["learned"]
+    assert get_embedder(encoder, specs) is get_embedder(encoder, specs)  # loaded once
+    retrained = load_head(str(folder))
+    with torch.no_grad():
+        retrained.scorer.weight.normal_()
+    save_head(retrained, str(folder))
+    after = get_embedder(encoder, specs).embed(batch).vectors["learned"]
+    assert not np.allclose(after, before, atol=1e-3)
+    _, fresh = served(folder, tiny_model_dir)
+    np.testing.assert_allclose(after, fresh, rtol=0, atol=1e-6)
+
+
 def test_a_head_json_edited_since_its_weights_were_saved_is_refused(
         head_dir: Path, tmp_path: Path) -> None:
     """Same folder and weights, head.json edited to read another layer (other vectors, the

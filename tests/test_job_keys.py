@@ -118,7 +118,7 @@ def test_a_preloaded_model_is_the_one_a_run_gets(tiny_model_dir: Path) -> None:
     spec = parse(EmbedJob, {"corpus": "c", "out": "o", "encoder": {
         "model": str(tiny_model_dir), "device": "cpu", "max_length": 48}}, "job")
     preload(spec.encoder, spec.poolers).join()
-    loaded = [e for e in pipeline.embedder._CACHE.values()
+    loaded = [e for e, _ in pipeline.embedder._CACHE.values()
               if e.cfg == spec.encoder and e.info.max_length == 48]
     assert len(loaded) == 1
     assert get_embedder(spec.encoder, spec.poolers) is loaded[0]
