@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     Strict,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -165,6 +165,19 @@ class EncoderConfig(_Strict):
         return self
 
 
+def _located(path: str) -> str:
+    """``path`` if it names a place: not blank ("" would be taken for the working folder),
+    and a URL names its bucket (``s3://`` alone joins to ``s3:/...``: a local folder)."""
+    if not path.strip():
+        raise ValueError("is empty: name a local path or an s3:// URL")
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme != "file" and not rest.split("/", 1)[0].strip():
+        raise ValueError(f"{path!r} names no bucket: give {scheme}://BUCKET/PATH")
+    return path
+
+
+Location = Annotated[str, AfterValidator(_located)]  # a local path or URL to read or write
+
 DAY_S = 86_400.0  # the longest time a setting may name (a lease, a wait: a thread's is never inf)
 LeaseWait = Annotated[float, Field(ge=0)]  # seconds to wait for another writer of OUT
 
@@ -172,8 +185,8 @@ LeaseWait = Annotated[float, Field(ge=0)]  # seconds to wait for another writer 
 class EmbedJob(_Strict):
     """An embedding job over a corpus: what ``embedpipe embed`` and ``backfill`` run."""
 
-    corpus: str
-    out: str
+    corpus: Location
+    out: Location
     encoder: EncoderConfig = EncoderConfig()
     # left out: one set, the model's own (``model``) for a sentence-transformers folder,
     # ``mean`` for a plain Hugging Face encoder (pipeline.models.folder.default_set_name);
@@ -190,13 +203,6 @@ class EmbedJob(_Strict):
     quarantine: bool = False
     dedupe: bool = False
     lease_wait: LeaseWait = 0
-
-    @field_validator("corpus", "out")
-    @classmethod
-    def _named(cls, path: str) -> str:
-        if not path.strip():  # "" would be taken for the working folder
-            raise ValueError("is empty: name a local path or an s3:// URL")
-        return path
 
     @model_validator(mode="after")
     def _default_set(self) -> EmbedJob:

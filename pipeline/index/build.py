@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from pipeline.config import LeaseWait
+from pipeline.config import LeaseWait, Location
 from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, StorageError
 from pipeline.index import setdata, store
@@ -55,7 +55,7 @@ class IndexRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    out: str
+    out: Location
     set_name: str
     kind: str = "auto"
     memory_budget: str = "4GB"

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from pipeline.config import AS_LIST, STRICT, CacheDType, EncoderConfig, HeadKind
+from pipeline.config import AS_LIST, STRICT, CacheDType, EncoderConfig, HeadKind, Location
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -36,8 +36,8 @@ class TrainConfig(BaseModel):
 
     model_config = STRICT
 
-    pairs: str
-    out: str
+    pairs: Location
+    out: Location
     kind: HeadKind
     encoder: EncoderConfig = EncoderConfig()
     query_column: str = "query"
