@@ -74,7 +74,8 @@ class Shard(BaseModel):
 def shard_id(file: str, first_group: int, end_group: int) -> str:
     """``<readable file stem>-<8 hex of the file name>-g<first>-<end>``, safe as a file name."""
     stem = re.sub(r"\.parquet$", "", file.rsplit("/", 1)[-1])
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).strip("._")[:40] or "file"
+    # a file name's first character is a letter, digit or "_" (names.FILE_NAME): "-2024.parquet"
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).strip("._").lstrip("._-")[:40] or "file"
     return f"{slug}-{stable_hash(file, 8)}-g{first_group:05d}-{end_group:05d}"
 
 
