@@ -72,7 +72,10 @@ def build_job(corpus: str, out: str, *, config: str | None = None,
                               "when none of --window, --stride, --window-agg is given")
     if isinstance(encoder.get("model"), str):
         encoder["model"] = _absolute(encoder["model"], folder_only=True)
-    job = {**file, "corpus": _absolute(str(corpus)), "out": str(out), "encoder": encoder}
+    # absolute: a Dask worker elsewhere, or a served deployment, resolves no relative path
+    # against the folder it was typed in (its lease was not found there: every run failed)
+    job = {**file, "corpus": _absolute(str(corpus)), "out": _absolute(str(out)),
+           "encoder": encoder}
     job |= {k: chosen[k] for k in JOB_OPTIONS if k in chosen}
     names = list(poolers or []) or list(defined)
     bad = next((n for n in names if not isinstance(n, str)), None)
@@ -241,7 +244,9 @@ def _one_encoder(out: str, metas: Sequence[SetMeta], ask: str) -> dict:
     taken from a file, only from the job."""
     made = {}
     for meta in metas:
-        made.setdefault((meta.model_hash, meta.max_length, str(meta.window)), []).append(meta)
+        prompts = [meta.encoder.get(k) for k in ("prompt_name", "query_prompt_name")]
+        made.setdefault((meta.model_hash, meta.max_length, str(meta.window), str(prompts)),
+                        []).append(meta)
     if len(made) > 1:
         groups = "; ".join(f"{', '.join(m.name for m in group)}: {_encoder_words(group[0])}"
                            for group in made.values())
@@ -258,7 +263,9 @@ def _encoder_words(meta: SetMeta) -> str:
     """What made a set's vectors, in a few words: model, max length, windows."""
     window = meta.window or {}
     windows = f", windows of {window.get('size')} every {window.get('stride')}" if window else ""
-    return f"{meta.model}, max length {meta.max_length}{windows}"
+    prompts = "".join(f", {k.replace('_', ' ')} {meta.encoder[k]!r}"
+                      for k in ("prompt_name", "query_prompt_name") if meta.encoder.get(k))
+    return f"{meta.model}, max length {meta.max_length}{windows}{prompts}"
 
 
 def inherit_encoder(job: dict) -> dict:

@@ -148,6 +148,22 @@ def test_sets_of_different_encoders_are_asked_for_by_name(tmp_path: Path, tiny_m
         inherit_encoder(_unnamed(windowed) | {"poolers": [{"name": "mean"}]})
 
 
+def test_sets_of_other_prompts_are_asked_for_by_name(tmp_path: Path, tiny_model_dir: Path):
+    """Sets that differ only by the prompt their model applies: the run applied the first
+    set's prompt to every set, and then failed on the other's fingerprint, blaming the job."""
+    from pipeline.assembly import _one_encoder
+    from pipeline.sets import SetFolder
+
+    corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
+    run_library(job(corpus, out, tiny_model_dir, poolers=[CLS]))
+    meta = SetFolder(str(out), "cls").meta()
+    prompted = meta.model_copy(update={"name": "search",
+                                       "encoder": meta.encoder | {"prompt_name": "search"}})
+    with pytest.raises(ConfigError, match=r"different encoders \(cls: .*; search: .*prompt name "
+                                          r"'search'\); ask"):
+        _one_encoder(str(out), [meta, prompted], "ask")
+
+
 @pytest.mark.parametrize(("change", "error"), [
     ({"strategy": "learned", "head": "/elsewhere/head"},
      "learned head /elsewhere/head, and EMBEDPIPE_HEADS is unset: a run takes a head's path"),
@@ -180,8 +196,9 @@ def test_window_options_without_a_size_are_one_line(tmp_path: Path, given: dict)
 def test_a_job_records_local_corpus_and_model_paths_absolute(tmp_path: Path, tiny_model_dir: Path,
                                                              monkeypatch) -> None:
     """``_SET.json`` keeps the corpus and model a job names, and the nightly run, ``query`` and
-    ``serve`` read them from other folders: relative ones broke there. URLs and Hugging Face
-    names stay as given."""
+    ``serve`` read them from other folders: relative ones broke there. OUT too: a Dask worker
+    resolved a relative one against its own folder, found no lease there, and every run failed
+    ('lost the writer lease ... to nobody'). URLs and Hugging Face names stay as given."""
     from pipeline.assembly import build_job
 
     (tmp_path / "models").mkdir()
@@ -190,10 +207,11 @@ def test_a_job_records_local_corpus_and_model_paths_absolute(tmp_path: Path, tin
     spec = build_job("data/c.parquet", "out", model="models/tiny")
     assert spec.corpus == str(tmp_path / "data" / "c.parquet")
     assert spec.encoder.model == str(tmp_path / "models" / "tiny")
-    assert spec.out == "out"
-    named = build_job("s3://bucket/c/*.parquet", "out", model="sentence-transformers/x")
-    assert (named.corpus, named.encoder.model) == ("s3://bucket/c/*.parquet",
-                                                   "sentence-transformers/x")
+    assert spec.out == str(tmp_path / "out")
+    named = build_job("s3://bucket/c/*.parquet", "s3://bucket/out",
+                      model="sentence-transformers/x")
+    assert (named.corpus, named.out, named.encoder.model) == (
+        "s3://bucket/c/*.parquet", "s3://bucket/out", "sentence-transformers/x")
     config = tmp_path / "job.toml"  # a learned head's folder too: its path is in the fingerprint
     config.write_text('[[poolers]]\nname = "l"\nstrategy = "learned"\nhead = "heads/att"\n'
                       '[[poolers]]\nname = "s3l"\nstrategy = "learned"\n'
