@@ -93,7 +93,7 @@ def main() -> None:
         cfg = TrainConfig(pairs=str(pairs), out=str(out / name), kind=kind,
                           adapter=extra == "adapter", group_column="package",
                           encoder=EncoderConfig(model=args.model, dtype="fp32"),
-                          epochs=args.epochs, lr=args.lr, seed=args.seed)
+                          epochs=args.epochs, lr=args.lr, seed=args.seed, overwrite=True)
         started = time.perf_counter()
         result = train(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
         report["training"][name] = {**result.metrics,

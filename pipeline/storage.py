@@ -415,9 +415,12 @@ def _last_written(path: str, is_dir: bool) -> float:
 
 
 def check_folder(url: str, what: str) -> None:
-    """``url`` can become a folder: a local path that is a file, or lies under one, is one
-    line naming ``what`` it is for (before any work that would end writing there)."""
+    """``url`` can become a folder: a local path that is a file, or lies under one, or an S3
+    bucket that is not there (or not ours), is one line naming ``what`` it is for (before any
+    work that would end writing there)."""
     if is_remote(url):
+        fs, _ = filesystem(url)
+        _require_bucket(fs, url, "check")
         return
     path = Path(local_path(url))
     with explained(url, "check"):

@@ -321,7 +321,9 @@ def test_memory_budget_caps_training_pairs(pairs_path: str, tmp_path: Path,
      ({"kind": "adapter", "memory_budget": "lots"}, "not a size: 'lots'"),
      # trained nothing ("best epoch 0") and still saved a head
      ({"kind": "attention", "temperature": float("inf")}, "temperature: .* finite number"),
-     ({"kind": "attention", "lr": float("inf")}, "lr: .* finite number")],
+     ({"kind": "attention", "lr": float("inf")}, "lr: .* finite number"),
+     # AdamW's traceback ("overflow when unpacking long")
+     ({"kind": "attention", "lr": 1e38}, "lr: .* less than or equal to 10")],
 )
 def test_bad_options(options: dict, problem: str) -> None:
     from pipeline.config import parse
@@ -396,3 +398,42 @@ def test_train_pooler_takes_the_installations_encoder_where_flags_give_none(
     args = build_parser().parse_args(["train-pooler", "p.parquet", str(tmp_path / "h"),
                                       "--kind", "attention", "--dtype", "bf16"])
     assert to_config(args).encoder.dtype == "bf16"  # a flag wins
+
+
+def test_a_diverged_training_saves_nothing_and_is_one_line(pairs_path: str, tmp_path: Path,
+                                                          tiny_model_dir: Path) -> None:
+    """Its losses were NaN, NaN scores ranked every query's text first (MRR@10 1.0), and that
+    epoch was saved as the best head, which every reader then refused as not finite."""
+    with pytest.raises(ConfigError, match=r"training diverged in epoch 1 \(train loss nan\): "
+                                          "no head saved"):
+        train(config(pairs_path, tmp_path / "h", tiny_model_dir, kind="attention", lr=1.0,
+                     temperature=1e-45))
+    assert not (tmp_path / "h" / "head.json").exists()
+    queries = np.array([[1.0, 0.0], [np.nan, 0.0]], np.float32)
+    corpus = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]], np.float32)
+    assert retrieval_metrics(queries, corpus, np.array([0, 1]), k=10)["recall@1"] == 0.5
+
+
+def test_head_out_is_checked_before_any_work(pairs_path: str, tmp_path: Path,
+                                             tiny_model_dir: Path, s3_bucket: str) -> None:
+    """Inside the model's folder the head changed the model's hash (the model and its sets
+    broke); over a head it silently replaced the one that sets were made with; in a missing
+    bucket it failed after all the training."""
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    before = sorted(p.name for p in model.iterdir())
+    missing = str(tmp_path / "no-pairs.parquet")  # each is refused before the pairs are read
+    with pytest.raises(ConfigError, match="is inside the model folder"):
+        train(config(missing, model / "head", model, kind="attention"))
+    assert sorted(p.name for p in model.iterdir()) == before
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket-here' does not exist"):
+        train(config(missing, "s3://no-such-bucket-here/head", model, kind="attention"))
+    head = tmp_path / "head"
+    train(config(pairs_path, head, model, kind="adapter", epochs=1))
+    weights = (head / "head.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="already holds a pooling head.*--overwrite"):
+        train(config(missing, head, model, kind="adapter", epochs=1))
+    assert (head / "head.safetensors").read_bytes() == weights
+    train(config(pairs_path, head, model, kind="adapter", epochs=1, seed=3, overwrite=True))
+    assert (head / "head.safetensors").read_bytes() != weights

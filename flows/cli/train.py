@@ -45,6 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-budget", default="2GB", help="for cached hidden states, e.g. 2GB")
     p.add_argument("--cache-dtype", default="auto", choices=get_args(CacheDType))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace a head already in "
+                   "HEAD_OUT (the sets made with it no longer match it)")
     p.set_defaults(func=run)
 
 
@@ -65,6 +67,7 @@ def to_config(args: argparse.Namespace):
         "batch_size": args.batch_size, "lr": args.lr, "temperature": args.temperature,
         "val_fraction": args.val_fraction, "max_pairs": args.max_pairs,
         "memory_budget": args.memory_budget, "cache_dtype": args.cache_dtype, "seed": args.seed,
+        "overwrite": args.overwrite,
     }
     return parse(TrainConfig, raw, "train-pooler options")
 

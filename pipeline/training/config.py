@@ -49,7 +49,7 @@ class TrainConfig(BaseModel):
     epochs: int = Field(default=10, gt=0)
     patience: int = Field(default=2, ge=1)
     batch_size: int = Field(default=256, ge=2)
-    lr: float = Field(default=5e-4, gt=0)
+    lr: float = Field(default=5e-4, gt=0, le=10)  # AdamW overflows far above
     weight_decay: float = Field(default=0.0, ge=0)
     temperature: float = Field(default=0.05, gt=0)
     val_fraction: float = Field(default=0.1, gt=0, lt=1)
@@ -59,6 +59,7 @@ class TrainConfig(BaseModel):
     cache_dtype: CacheDType = "auto"
     k: int = Field(default=10, gt=0)
     seed: int = Field(default=0, ge=0)  # numpy seeds are non-negative
+    overwrite: bool = False  # replace a head already in ``out`` (its sets no longer match it)
 
     @field_validator("memory_budget", mode="before")
     @classmethod

@@ -15,14 +15,17 @@ def gold_ranks(queries: np.ndarray, corpus: np.ndarray, gold: np.ndarray,
     """1-based rank of ``corpus[gold[i]]`` for ``queries[i]`` by inner product.
 
     Ties count in the query's favour (only strictly better texts rank above the gold one),
-    so the result does not depend on corpus order.
+    so the result does not depend on corpus order. A query with a score that is not finite
+    ranks its text last (NaN compares as no better: every query of a diverged head was 1st).
     """
     ranks = np.empty(len(queries), np.int64)
     for start in range(0, len(queries), chunk):
         q = queries[start : start + chunk]
         scores = q @ corpus.T
         own = scores[np.arange(len(q)), gold[start : start + chunk]]
-        ranks[start : start + chunk] = (scores > own[:, None]).sum(axis=1) + 1
+        found = (scores > own[:, None]).sum(axis=1) + 1
+        ranks[start : start + chunk] = np.where(np.isfinite(scores).all(axis=1), found,
+                                                len(corpus))
     return ranks
 
 

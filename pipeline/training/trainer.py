@@ -10,6 +10,7 @@ against its distinct texts); the best epoch by MRR@k is kept, and training stops
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 
 from pipeline import storage
+from pipeline.config import HEAD_JSON
 from pipeline.encoder import Encoder, EncoderInfo
 from pipeline.errors import ConfigError, CorpusError
 from pipeline.head_files import HeadConfig
@@ -59,7 +61,7 @@ class TrainResult:
 def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
     """Train, pick the best epoch on the held-out split, save the head under ``cfg.out``."""
     log = log or (lambda _msg: None)
-    storage.check_folder(cfg.out, "the head (HEAD_OUT)")
+    _check_head_out(cfg)
     pairs = read_pairs(cfg.pairs, cfg.query_column, cfg.text_column, cfg.group_column)
     train_rows, val_rows = _choose_rows(pairs, cfg)
     encoder = Encoder(cfg.encoder)
@@ -86,6 +88,24 @@ def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
         "metrics": metrics,
     })
     return TrainResult(head.eval(), metrics, history)
+
+
+def _check_head_out(cfg: TrainConfig) -> None:
+    """HEAD_OUT can take the head, before any work: a folder (or a place for one; on S3 its
+    bucket), not the model's own folder or one inside it (the model's hash covers the files
+    there: the model, and every set made with it, would change), and, unless ``overwrite``,
+    no head already (the sets made with it would no longer match it)."""
+    storage.check_folder(cfg.out, "the head (HEAD_OUT)")
+    model = cfg.encoder.model
+    if (model and not storage.is_remote(model) and os.path.isdir(storage.local_path(model))
+            and not storage.is_remote(cfg.out) and storage.is_under(cfg.out, model)):
+        raise ConfigError(f"HEAD_OUT {cfg.out} is inside the model folder {model}: the model's "
+                          "hash covers the files there (the model, and every set made with it, "
+                          "would change); train into another folder")
+    if not cfg.overwrite and storage.exists(storage.join(cfg.out, HEAD_JSON)):
+        raise ConfigError(f"HEAD_OUT {cfg.out} already holds a pooling head, and the sets made "
+                          "with it would no longer match it: pass --overwrite to replace it, or "
+                          "train into another folder")
 
 
 def _cache_record(train_cache: StateCache, val_cache: StateCache, encode_s: float) -> dict:
@@ -213,6 +233,9 @@ def _fit(head: PoolingHead, train_split: Split, val_split: Split, cfg: TrainConf
     generator = torch.Generator().manual_seed(cfg.seed)
     for epoch in range(1, cfg.epochs + 1):
         loss = _epoch(head, optimizer, train_split, cfg, generator)
+        if not np.isfinite(loss):
+            raise ConfigError(f"training diverged in epoch {epoch} (train loss {loss}): no "
+                              "head saved; lower --lr or raise --temperature")
         scores = evaluate(head, val_split, k)
         history.append({"epoch": epoch, "train_loss": loss, **scores})
         log(f"epoch {epoch}: train loss {loss:.4f}, held-out MRR@{k} {scores[f'mrr@{k}']:.4f}, "
