@@ -76,17 +76,18 @@ def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | Non
              progress: bool = False, **options: Any) -> dict:
     """Add pooler sets to an ``out`` that has sets; without ``model``, their encoder is used."""
     _installation()
-    from pipeline.assembly import job_params
+    from pipeline.assembly import inherit_encoder, job_params
 
     _check_arguments("backfill", progress=progress)
     poolers = _names(poolers, "poolers")
     if not poolers:
         raise ConfigError("backfill needs at least one pooler to add")
     job = _checked_job(corpus, out, config, poolers, options)
+    params = inherit_encoder(job_params(job))  # an OUT without sets: refused before Prefect
     from flows.embed import backfill_flow
 
     with _orchestration():
-        return backfill_flow(job_params(job), progress=progress)
+        return backfill_flow(params, progress=progress)
 
 
 def index(out: str, set_name: str | None = None, *, kind: str = "auto",

@@ -269,19 +269,52 @@ def _encoder_words(meta: SetMeta) -> str:
 
 
 def inherit_encoder(job: dict) -> dict:
-    """A backfill job that names no model takes the encoder options that made the vectors of
-    the sets already in OUT (``_one_encoder``). Encoder fields the job does set stay as given.
-    """
+    """A backfill job takes the encoder options that made the vectors of the sets already in
+    OUT (``_one_encoder``); options it gives must be theirs. One that differs (another model,
+    max length, window, prompt, or int8 against floats) would make its sets with another
+    encoder: every later run that names no pooler (the nightly) would then fail asking for the
+    sets by name, so it is refused; ``embed --pooler`` adds such a set deliberately. Where the
+    sets in OUT already differ, the job must name its whole encoder (``--model`` and its
+    options)."""
     spec = parse(EmbedJob, job, "backfill job")
     metas = _stored_sets(spec.out)
     if not metas:
         raise ConfigError(f"{spec.out} has no sets to backfill next to; use `embedpipe embed`")
     given = dict(job.get("encoder") or {})
-    if given.get("model") is not None:
-        return job
-    encoder = _one_encoder(spec.out, metas, "name the encoder to backfill with (--model "
+    try:
+        encoder = _one_encoder(spec.out, metas, "name the encoder to backfill with (--model "
                                                  "and its options)")
+    except ConfigError:
+        if given.get("model") is not None:
+            return job
+        raise
+    differs = _other_encoder(encoder, given)
+    if differs:
+        raise ConfigError(
+            f"backfill: {differs} would make the new sets with another encoder than the sets "
+            f"in {spec.out}, and runs that name no pooler (the nightly) would then have to name "
+            "their sets; leave the option out (the backfill takes theirs), or add the sets with "
+            "`embedpipe embed CORPUS OUT --pooler NAME ...`"
+        )
     return job | {"encoder": encoder | given}
+
+
+def _other_encoder(kept: dict, given: dict) -> str:
+    """What of ``given`` changes the vectors the encoder options ``kept`` make ('' where
+    nothing does): the ``VECTOR_OPTIONS``, and int8 (with its kernel) against floats."""
+    made = parse(EncoderConfig, kept, "the sets' encoder")
+    asked = parse(EncoderConfig, kept | given, "the backfill's encoder")
+    changed = [f"{name.replace('_', ' ')} {getattr(made, name)} -> {getattr(asked, name)}"
+               for name in VECTOR_OPTIONS if getattr(made, name) != getattr(asked, name)]
+    if (made.dtype == "int8") != (asked.dtype == "int8") or (
+            made.dtype == "int8" and made.int8_kernel != asked.int8_kernel):
+        changed.append(f"dtype {_weights(made)} -> {_weights(asked)}")
+    return "; ".join(changed)
+
+
+def _weights(config: EncoderConfig) -> str:
+    """The weights an encoder runs: int8 (a kernel's) or float (fp32, bf16, fp16 alike)."""
+    return f"int8 ({config.int8_kernel})" if config.dtype == "int8" else "float"
 
 
 def check_input(job: EmbedJob) -> None:

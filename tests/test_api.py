@@ -92,6 +92,12 @@ def test_bad_input_fails_before_orchestration(tmp_path, tiny_model_dir):
         (line,) = done.stderr.strip().splitlines()
         assert line.startswith("embedpipe embed: error: ") and reason in line, line
         assert seconds < FAIL_FAST_S, f"{args}: {seconds:.1f}s to fail"
+    # found in the backfill flow, after Prefect's API had started (a traceback in its log)
+    done, seconds = _cli("backfill", str(tmp_path / "c.parquet"), out, "--text-column", "body",
+                         "--pooler", "cls")
+    assert done.returncode == 1 and seconds < FAIL_FAST_S, (done.stderr, seconds)
+    assert done.stderr.strip().splitlines() == [
+        f"embedpipe backfill: error: {out} has no sets to backfill next to; use `embedpipe embed`"]
     assert not (tmp_path / "out").exists()
 
 

@@ -4,6 +4,7 @@ current, a rerun resumes them (``pipeline.assembly.keep_sets_current``)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,27 @@ def test_a_nightly_run_takes_the_device_and_dtype_of_its_machine(
                                    "window": {"size": 8, "stride": 4, "agg": "mean"},
                                    "prompt_name": None, "query_prompt_name": None,
                                    "device": "cpu"}
+
+
+@pytest.mark.parametrize(("given", "differs"), [
+    ({"max_length": 32}, "max length 16 -> 32"),
+    ({"window": {"size": 8, "stride": 2}}, "window size=8 stride=4 agg='mean' -> size=8 stride=2"),
+    ({"dtype": "int8"}, "dtype float -> int8 (auto)"),
+])
+def test_a_backfill_with_another_encoder_is_refused(tmp_path: Path, tiny_model_dir: Path,
+                                                    given: dict, differs: str) -> None:
+    """``backfill --pooler cls --max-length 32`` exited 0, and every later run naming no pooler
+    (the nightly deployment) failed: the sets were made by different encoders."""
+    corpus, out = _corpus(tmp_path / "a.parquet", 20), tmp_path / "out"
+    made = job(corpus, out, tiny_model_dir, poolers=[CLS])
+    made["encoder"] |= {"max_length": 16, "window": {"size": 8, "stride": 4}}
+    run_library(made)
+    backfill = made | {"poolers": [{"name": "mean"}]}
+    assert inherit_encoder(backfill)["encoder"]["max_length"] == 16  # its own options: taken
+    with pytest.raises(ConfigError, match=rf"backfill: {re.escape(differs)}.* would make the "
+                                          "new sets with another encoder.*embedpipe embed"):
+        inherit_encoder(backfill | {"encoder": made["encoder"] | given})
+    keep_sets_current(parse(EmbedJob, _unnamed(made), "job"))  # OUT's sets: still one encoder
 
 
 def test_an_int8_sets_dtype_and_kernel_are_kept(tmp_path: Path, tiny_model_dir: Path,
