@@ -343,7 +343,7 @@ def _read_slices(request: ShardRequest, model: _Model, previous: dict[str, Store
             return
         stats.add_skipped(chunk.skipped)
         stats.rows += len(chunk.ids)
-        if job.quarantine and chunk.skipped_rows:
+        if chunk.skipped_rows:  # kept apart: written with --quarantine, or where a file is
             quarantine.append(_quarantine_table(shard, chunk))
         stats.add_seconds("read", time.perf_counter() - tick)
         start = 0
@@ -483,14 +483,15 @@ def _taken(request: ShardRequest, work: SetWork) -> NoReturn:
 
 
 def _write_quarantine(request: ShardRequest, tables: list[pa.Table]) -> None:
-    """The shard's skipped rows, before any marker (a done shard always has its file); a
-    shard that skips nothing now (or runs without --quarantine) has none: an earlier run's
-    file would list rows the set now holds."""
+    """The shard's skipped rows, before any marker (with --quarantine a done shard always has
+    its file). Without --quarantine a file an earlier run wrote is kept up to date: a backfill
+    or a nightly run deleted the record of rows the sets still skip. A shard that skips
+    nothing now has none: an earlier run's file would list rows the set now holds."""
     url = quarantine_url(request.job.out, request.shard.id)
-    if tables:
-        storage.write_parquet(url, pa.concat_tables(tables))
-    else:
+    if not tables:
         storage.remove(url)
+    elif request.job.quarantine or storage.exists(url):
+        storage.write_parquet(url, pa.concat_tables(tables))
 
 
 def _quarantine_table(shard: Shard, chunk: Chunk) -> pa.Table:

@@ -95,6 +95,31 @@ def test_quarantine_files_follow_the_shards_they_describe(tmp_path, tiny_model_d
     assert _quarantined(out) == {2: "empty_text"}
 
 
+def test_runs_without_quarantine_keep_the_record_of_rows_still_skipped(tmp_path,
+                                                                      tiny_model_dir):
+    """A backfill or a nightly run without --quarantine deleted ``_quarantine``'s file of a
+    shard whose rows the sets still skipped (their ``_SET.json`` still counted them)."""
+    from pipeline.assembly import inherit_encoder
+
+    corpus, out = tmp_path / "c" / "a.parquet", tmp_path / "out"
+    texts = [text_for(i) for i in range(20)]
+    texts[2], texts[4] = "   ", None
+    write_corpus(corpus, list(range(20)), texts)
+    run_library(job(corpus, out, tiny_model_dir, quarantine=True))
+    assert _quarantined(out) == {2: "empty_text", 4: "null_text"}
+    backfill = job(corpus, out, tiny_model_dir, poolers=[{"name": "cls"}])
+    run_library(inherit_encoder(backfill))
+    assert _quarantined(out) == {2: "empty_text", 4: "null_text"}
+    texts[3] = ""  # a nightly run: another row skipped, the file keeps up with it
+    write_corpus(corpus, list(range(20)), texts)
+    run_library(job(corpus, out, tiny_model_dir), verify=True)
+    assert _quarantined(out) == {2: "empty_text", 3: "empty_text", 4: "null_text"}
+    texts[2] = texts[3] = texts[4] = text_for(9)  # none skipped: nothing left to record
+    write_corpus(corpus, list(range(20)), texts)
+    run_library(job(corpus, out, tiny_model_dir), verify=True)
+    assert _quarantined(out) == {}
+
+
 def test_long_control_and_unusual_unicode_texts_embed(tmp_path, tiny_model_dir):
     texts = [
         "word " * 200_000 + "end",  # 1 MB
