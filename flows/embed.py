@@ -7,7 +7,9 @@ retries (bounded) cover transient errors; errors in the input are never retried.
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -64,7 +66,8 @@ def make_runner(job: EmbedJob) -> TaskRunner:
     if job.runner == "threads":
         return ThreadPoolTaskRunner(max_workers=job.workers)
     if job.runner == "processes":
-        return ProcessPoolTaskRunner(max_workers=job.workers)
+        return ProcessPoolTaskRunner(max_workers=job.workers, initializer=exit_with_parent,
+                                     initargs=(os.getpid(),))
     from prefect_dask import DaskTaskRunner
 
     if job.dask_address:
@@ -78,6 +81,20 @@ def make_runner(job: EmbedJob) -> TaskRunner:
             "dashboard_address": None,
         },
     )
+
+
+def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """In a processes-runner worker: end the worker once the run's process (pid ``parent``)
+    is gone (killed, out of memory), also where it went while the worker started. Nothing
+    else ends it: it waits on its task queue for good, holding its model (690 MB each with
+    MiniLM, still there minutes after the rerun had finished)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _run_shards(plan: RunPlan, progress: bool) -> list[ShardResult]:
