@@ -407,6 +407,7 @@ def _write_set(request: ShardRequest, work: SetWork, rows: ShardHashes,
         rows=len(ids),
         skipped=skipped,
         generation=generation,
+        writer=request.lease,
     )
     unchanged = (
         work.prior is not None
@@ -417,7 +418,8 @@ def _write_set(request: ShardRequest, work: SetWork, rows: ShardHashes,
     if unchanged:  # same rows: at most new signature or skip counts to record; a shard
         # without rows has no hashes to date it: it keeps its marker's generation
         kept = written_in if written_in >= 0 else work.prior.generation
-        refreshed = marker.model_copy(update={"generation": kept})
+        refreshed = marker.model_copy(update={"generation": kept,
+                                              "writer": work.prior.writer})
         if refreshed != work.prior:
             folder.write_marker(refreshed)
         return False, 0
@@ -430,11 +432,14 @@ def _write_set(request: ShardRequest, work: SetWork, rows: ShardHashes,
                         stored)
     # its rows change: not done until the new marker (a run that dies in between must not
     # leave the old one on them)
-    if work.prior is not None and not folder.remove_marker(shard.id, only_if=work.prior):
+    def ours(found: ShardMarker | None) -> bool:
+        return _ours(found, work, request)
+
+    if work.prior is not None and not folder.remove_marker(shard.id, only_if=ours):
         _taken(request, work)
     faults.hit("write_part", f"{shard.id}/{work.name}")
     _fence(request)
-    if folder.read_marker(shard.id) is not None:
+    if not ours(folder.read_marker(shard.id)):
         _taken(request, work)
     if len(ids):
         folder.write_part(shard.id, ids, matrix)
@@ -467,6 +472,14 @@ def _fence(request: ShardRequest) -> None:
         from pipeline.lease import check_holder
 
         check_holder(request.job.out, request.lease)
+
+
+def _ours(found: ShardMarker | None, work: SetWork, request: ShardRequest) -> bool:
+    """Whether the shard's marker ``found`` leaves its files to this run: none, the one the
+    run planned from, or one the run wrote itself (a retry of the shard), or any where the run
+    holds no lease (a library caller's: no other writer to keep apart from)."""
+    return (request.lease is None or found is None or found == work.prior
+            or found.writer == request.lease)
 
 
 def _taken(request: ShardRequest, work: SetWork) -> NoReturn:

@@ -32,7 +32,7 @@ Every write goes through ``pipeline.storage`` and is atomic.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Annotated, NamedTuple
 
 import numpy as np
@@ -158,6 +158,9 @@ class ShardMarker(BaseModel):
     rows: Count
     skipped: dict[str, Count] = {}
     generation: NonNegativeInt  # the generation that last wrote the part
+    # the writer lease (its acquisition's token) of the run that wrote it, if it held one: a
+    # retry of the shard in that run finds its own marker, not a taker's
+    writer: str | None = None
 
 
 def _marker(raw: bytes) -> ShardMarker | None:
@@ -599,10 +602,12 @@ class SetFolder:
         names = (url.rsplit("/", 1)[-1] for url in storage.list_files(self._at("_done"), ".json"))
         return {file_name(n[:-len(".json")], self.url) for n in names}
 
-    def remove_marker(self, shard: str, only_if: ShardMarker | None = None) -> bool:
-        """Remove the shard's done marker; with ``only_if``, only while it is that marker (or
-        none): returns False, removing nothing, where another writer wrote its own since."""
-        if only_if is not None and self.read_marker(shard) not in (only_if, None):
+    def remove_marker(self, shard: str,
+                      only_if: Callable[[ShardMarker | None], bool] | None = None) -> bool:
+        """Remove the shard's done marker; with ``only_if``, only while the marker there now
+        passes it: returns False, removing nothing, where it does not (another writer wrote
+        its own since)."""
+        if only_if is not None and not only_if(self.read_marker(shard)):
             return False
         storage.remove(self._marker_url(shard))
         return True
