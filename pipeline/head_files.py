@@ -108,8 +108,12 @@ def check_trained_for(folder: str, cfg: HeadConfig, model_hashes: Collection[str
     """Refuse a head trained for another encoder than ``model`` (whose hash is one of
     ``model_hashes``): its weights read states they were not trained on."""
     if cfg.model_hash not in model_hashes:
+        from pipeline.models.hashing import int8_hint
+
+        making = sorted(model_hashes)
         raise ConfigError(f"pooling head {folder} was trained for encoder {cfg.model_hash}, "
-                          f"not for {model} ({' or '.join(sorted(model_hashes))})")
+                          f"not for {model} ({' or '.join(making)})"
+                          + "".join(dict.fromkeys(int8_hint(cfg.model_hash, h) for h in making)))
 
 
 def head_file_digests(folder: str) -> list[str]:

@@ -362,3 +362,22 @@ def test_json_nested_too_deep_or_with_a_huge_number_is_one_line(
     with pytest.raises(ConfigError, match=problem) as err:
         load_head(str(folder))
     assert "\n" not in str(err.value) and len(str(err.value)) < 600
+
+
+def test_a_head_trained_through_the_other_int8_kernel_is_refused_naming_it() -> None:
+    """A head trained under ``--dtype int8`` learned the states of one int8 kernel; a set run
+    through the other refused it by hashes alone (train-pooler had no --int8-kernel)."""
+    from pipeline.models.hashing import INT8_SUFFIXES
+
+    base = "ab" * 32
+    cfg = HeadConfig(kind="attention", hidden_size=32, num_layers=2,
+                     model_hash=base + INT8_SUFFIXES["onednn"])
+    with pytest.raises(ConfigError, match=r"was trained for encoder .*-onednn-int8-ffn, not for "
+                                          r"m .*--int8-kernel onednn"):
+        head_files.check_trained_for("h", cfg, {base + INT8_SUFFIXES["onnxruntime"]}, "m")
+    args = ["train-pooler", "p.parquet", "h", "--kind", "attention", "--dtype", "int8",
+            "--int8-kernel", "onnxruntime"]
+    from flows.cli import build_parser
+    from flows.cli.train import to_config
+
+    assert to_config(build_parser().parse_args(args)).encoder.int8_kernel == "onnxruntime"

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import get_args
 
-from pipeline.config import CacheDType, Device, DType, HeadKind, parse
+from pipeline.config import CacheDType, Device, DType, HeadKind, Int8Kernel, parse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="default: the installation's EMBEDPIPE_DEVICE, else auto")
     p.add_argument("--dtype", choices=get_args(DType),
                    help="default: the installation's EMBEDPIPE_DTYPE, else auto")
+    p.add_argument("--int8-kernel", choices=get_args(Int8Kernel),
+                   help="with --dtype int8: the kernel whose states the head learns from "
+                   "(a head serves sets made by that kernel; default: auto)")
     p.add_argument("--max-length", type=int)
     p.add_argument("--query-column", default="query")
     p.add_argument("--text-column", default="text")
@@ -56,7 +59,7 @@ def to_config(args: argparse.Namespace):
     from pipeline.training import TrainConfig
 
     given = {"model": args.model, "device": args.device, "dtype": args.dtype,
-             "max_length": args.max_length}
+             "max_length": args.max_length, "int8_kernel": args.int8_kernel}
     # what the flags leave out: the installation's settings, as for `embed`
     encoder = load_settings().apply_to_job({"encoder": given})["encoder"]
     raw = {
