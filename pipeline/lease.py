@@ -546,6 +546,15 @@ def check_holder(out: str, token: str) -> None:
                     "writing a shard: rerun to resume")
 
 
+def check_free(out: str) -> None:
+    """Raise ``LeaseHeld`` naming the holder while another writer holds OUT's lease: for a
+    caller about to change what that writer reads (the demo's corpus beside its OUT)."""
+    holder, _ = _read_holder(_store(out))
+    now = time.time()
+    if holder is not None and not holder.free(now):
+        raise LeaseHeld(f"{out} is being written by {holder.describe(now)}")
+
+
 def check_held(out: str) -> None:
     """Raise ``LeaseLost`` if this process's lease on OUT was taken over (no-op if none held)."""
     lease = _held.get(storage.canonical(out))

@@ -59,3 +59,23 @@ def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path: Path, under: str
 def test_the_corpus_needs_at_least_one_row(limit: int) -> None:
     with pytest.raises(ConfigError, match=f"at least 1 row, got {limit}"):
         stdlib_docstrings(limit=limit)
+
+
+def test_a_demo_in_a_folder_another_demo_runs_in_leaves_its_corpus_alone(tmp_path: Path) -> None:
+    """The second demo was refused by OUT's lease only after it had replaced the running
+    demo's corpus, which then failed on a 'corrupt' file."""
+    from pipeline.lease import WriterLease
+
+    demo = tmp_path / "demo"
+    corpus = demo / "corpus" / "stdlib.parquet"
+    corpus.parent.mkdir(parents=True)
+    corpus.write_bytes(b"the running demo's corpus")
+    running = WriterLease(str(demo / "out"), "embed-and-index")  # as the running demo holds it
+    running.acquire()
+    try:
+        code, err = _demo("--out", str(demo), "--rows", "50")
+    finally:
+        running.release()
+    assert code == 1 and len(err) == 1, err
+    assert "is being written by 'embed-and-index'" in err[0]
+    assert corpus.read_bytes() == b"the running demo's corpus"

@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     from pipeline import storage
     from pipeline.demo_corpus import stdlib_docstrings
+    from pipeline.lease import check_free
 
     _check_flags(args)
     root = args.out or tempfile.mkdtemp(prefix="embedpipe-demo-")
@@ -47,6 +48,7 @@ def run_demo(args: argparse.Namespace) -> int:
         raise
     started = time.perf_counter()
     table = stdlib_docstrings(limit=args.rows)
+    check_free(out)  # a demo running in this folder reads the corpus: not replaced under it
     storage.write_parquet(corpus, table, row_group_size=250)
     print(f"corpus: {table.num_rows} docstrings of the Python standard library -> {corpus}")
     _embed_and_index(corpus, out, names)
