@@ -82,6 +82,13 @@ def test_any_faiss_factory_string(tmp_path):
     assert "nprobe" in m.params and m.recall_at_10 >= 0.95
     with pytest.raises(ConfigError, match="FAISS cannot build index 'NotAnIndex'"):
         build(tmp_path, kind="NotAnIndex", rebuild=True)
+    # and before any orchestration (the flow's task read the set and failed in Prefect's log)
+    from pipeline.index import index_targets
+
+    assert index_targets(str(tmp_path), None, "IVF32,SQ8", "4GB", 0) == ["s"]
+    for name in ("s", None):
+        with pytest.raises(ConfigError, match="FAISS cannot build index 'zzz' for dim 16"):
+            index_targets(str(tmp_path), name, "zzz", "4GB", 0)
 
 
 @pytest.mark.parametrize(("factory", "says"), [

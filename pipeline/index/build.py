@@ -35,6 +35,7 @@ from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import (
     BATCH_ROWS,
+    NAMED_KINDS,
     QUERY_SAMPLE,
     IndexPlan,
     factory_for,
@@ -85,10 +86,14 @@ def index_targets(out: str, set_name: str | None, kind: str, memory_budget: str 
         if not isinstance(set_name, str):
             raise ConfigError(f"set_name {set_name!r} is not a set's name")
         SetFolder(out, set_name).meta()  # a set not there fails in one line, OUT untouched
-        return [set_name]
-    names = list_sets(out)
+        names = [set_name]
+    else:
+        names = list_sets(out)
     if not names:
         raise StorageError(f"no sets under {out}/sets to index; run `embedpipe embed` first")
+    if index_kind(kind) not in ("auto", *NAMED_KINDS):  # a factory string: FAISS builds it
+        for meta in (SetFolder(out, name).meta() for name in names):
+            _factory_index(index_kind(kind), meta.dim, meta.metric)
     return names
 
 
@@ -262,15 +267,20 @@ def _empty(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexM
 
 
 def _new_index(plan: IndexPlan, dim: int) -> faiss.Index:
-    try:
-        index = faiss.index_factory(dim, plan.factory, faiss_metric(plan.metric))
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-        reason = f"FAISS cannot build index {plan.factory!r} for dim {dim}: {first}"
-        raise ConfigError(reason) from None
+    index = _factory_index(plan.factory, dim, plan.metric)
     if plan.kind == "hnsw":
         index.hnsw.efConstruction = 80
     return with_ids(index)
+
+
+def _factory_index(factory: str, dim: int, metric: str) -> faiss.Index:
+    """FAISS's index of ``factory``; a string FAISS cannot build in one line."""
+    try:
+        return faiss.index_factory(dim, factory, faiss_metric(metric))
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        raise ConfigError(f"FAISS cannot build index {factory!r} for dim {dim}: {first}") \
+            from None
 
 
 def _train(index: faiss.Index, train: np.ndarray, factory: str, rows: int) -> None:
