@@ -17,6 +17,8 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from pipeline.config import EncoderConfig, PoolerSpec, parse
@@ -180,10 +182,25 @@ class Searcher:
         if (previous is not None and previous.snippets is not None
                 and previous.snippets.corpus == source and previous.set.token == self.set.token):
             return store, None
-        problem = store.check(self.handle.idmap.ids)
+        problem = store.check(self._ids_in_the_set())
         if problem:
             return None, f"no snippets for set {self.name!r}: {problem}"
         return store, None
+
+    def _ids_in_the_set(self) -> pa.Array:
+        """The index's ids that are still the set's: those a run deleted since the index was
+        built are not in the corpus either, and a stale index's sample of them failed the
+        corpus check (every hit lost its snippet, the corpus named as not the set's)."""
+        ids, folder = self.handle.idmap.ids, SetFolder(self.out, self.name)
+        if self.set.token != self.meta.set_token:
+            return ids
+        deleted = []
+        for generation in range(self.meta.generation + 1, self.set.generation + 1):
+            changes = folder.read_changes(generation, ids.type)
+            deleted += changes.deleted_ids if changes is not None else []
+        if not deleted:
+            return ids
+        return ids.filter(pc.invert(pc.is_in(ids, value_set=pa.array(deleted, ids.type))))
 
     @property
     def stale(self) -> bool:

@@ -178,3 +178,22 @@ def test_snippets_come_from_a_binary_text_column_as_the_run_read_it(tmp_path, ti
     hits = searcher.search([TEXTS[3], TEXTS[0]], k=5)
     assert [row[0].id for row in hits] == [3, 1]
     assert [(h.id, h.snippet) for h in hits[0]] == [(h.id, embedded[h.id]) for h in hits[0]]
+
+
+def test_a_stale_index_checks_the_corpus_by_the_ids_still_in_the_set(tmp_path, tiny_model_dir):
+    """Rows deleted since the index was built are in neither the corpus nor the set: a sample
+    of the index's ids taking them failed the corpus check, and every hit lost its snippet
+    with a note that the set's own corpus was not the set's."""
+    from _flowkit import text_for, write_corpus
+
+    corpus, out = tmp_path / "c.parquet", tmp_path / "out"
+    write_corpus(corpus, list(range(200)), [text_for(i) for i in range(200)])
+    given = job(corpus, out, tiny_model_dir)
+    run_library(given)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    write_corpus(corpus, list(range(100, 200)), [text_for(i) for i in range(100, 200)])
+    run_library(given, verify=True)  # the nightly run, before its index catches up
+    searcher = Searcher(str(out))
+    assert searcher.stale and searcher.snippet_note is None
+    (hit,) = searcher.search([text_for(150)], k=1)[0]
+    assert (hit.id, hit.snippet) == (150, text_for(150))
