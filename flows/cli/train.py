@@ -59,7 +59,9 @@ def to_config(args: argparse.Namespace):
     from pipeline.training import TrainConfig
 
     given = {"model": args.model, "device": args.device, "dtype": args.dtype,
-             "max_length": args.max_length, "int8_kernel": args.int8_kernel}
+             "max_length": args.max_length}
+    if args.int8_kernel is not None:
+        given["int8_kernel"] = args.int8_kernel
     # what the flags leave out: the installation's settings, as for `embed`
     encoder = load_settings().apply_to_job({"encoder": given})["encoder"]
     raw = {
