@@ -417,13 +417,9 @@ def _stall_past_ttl(lease: WriterLease) -> None:
 
 
 def _take_over(code: str) -> str:
-    """Another process takes OUT over and runs ``code`` (``out``, ``index_set`` and
-    ``run_library`` at hand) under the lease as 'nightly'; returns what it printed."""
-    taker = child(textwrap.dedent(f"""
-        sys.path.insert(0, {str(REPO / "tests")!r})
-        from _flowkit import run_library
-        from pipeline.index import IndexRequest, index_set
-    """) + textwrap.dedent(code))
+    """Another process takes OUT over and runs ``code`` (the tests' helpers importable) under
+    the lease as 'nightly'; returns what it printed."""
+    taker = child(f"sys.path.insert(0, {str(REPO / 'tests')!r})\n" + textwrap.dedent(code))
     stdout, stderr = taker.communicate(timeout=300)
     assert taker.returncode == 0, stderr
     return stdout.strip()
@@ -455,6 +451,7 @@ def test_an_index_writer_that_lost_out_leaves_the_takers_index_alone(stall_at, t
     def stalled(*args, **kwargs):
         _stall_past_ttl(lease)
         taken.append(_take_over(f"""
+            from pipeline.index import IndexRequest, index_set
             with writer_lease({out!r}, "nightly"):
                 print(index_set(IndexRequest(out={out!r}, set_name="mean",
                                              rebuild=True)).meta.token)
@@ -498,6 +495,7 @@ def test_a_shard_writer_that_lost_out_removes_none_of_the_takers_work(tmp_path,
     def stalled(self, *args, **kwargs):
         _stall_past_ttl(lease)
         _take_over(f"""
+            from _flowkit import run_library
             with writer_lease({out!r}, "nightly"):
                 run_library({given!r})
         """)

@@ -46,9 +46,9 @@ def run_demo(args: argparse.Namespace) -> int:
         if not args.out:  # the empty folder made for this run goes with it
             os.rmdir(root)
         raise
+    check_free(out)  # a demo running in this folder reads the corpus: not replaced under it
     started = time.perf_counter()
     table = stdlib_docstrings(limit=args.rows)
-    check_free(out)  # a demo running in this folder reads the corpus: not replaced under it
     storage.write_parquet(corpus, table, row_group_size=250)
     print(f"corpus: {table.num_rows} docstrings of the Python standard library -> {corpus}")
     _embed_and_index(corpus, out, names)
