@@ -572,13 +572,8 @@ class SetFolder:
 
     def read_marker(self, shard: str) -> ShardMarker | None:
         """A shard's done marker; None if it has none or it is not one (damaged JSON)."""
-        url = self._marker_url(shard)
-        try:
-            marker = _marker(storage.read_bytes(url))
-        except StorageError:
-            if storage.exists(url):
-                raise
-            return None  # none, or removed as it was read
+        (raw,) = storage.read_files([self._marker_url(shard)])  # on S3: one GET
+        marker = None if raw is None else _marker(raw)  # None: none, or removed as it was read
         return marker if marker is not None and marker.shard == shard else None
 
     def read_markers(self) -> dict[str, ShardMarker]:
