@@ -431,16 +431,15 @@ def _write_set(request: ShardRequest, work: SetWork, rows: ShardHashes,
         _keep_leftovers(folder, generation, shard.id, removed, old_hashes[left],
                         stored)
     # its rows change: not done until the new marker (a run that dies in between must not
-    # leave the old one on them)
+    # leave the old one on them); none planned: none there but this run's own (a retry's)
     def ours(found: ShardMarker | None) -> bool:
         return _ours(found, work, request)
 
-    if work.prior is not None and not folder.remove_marker(shard.id, only_if=ours):
+    _fence(request)
+    if not (folder.remove_marker(shard.id, only_if=ours) if work.prior is not None
+            else ours(folder.read_marker(shard.id))):
         _taken(request, work)
     faults.hit("write_part", f"{shard.id}/{work.name}")
-    _fence(request)
-    if not ours(folder.read_marker(shard.id)):
-        _taken(request, work)
     if len(ids):
         folder.write_part(shard.id, ids, matrix)
         folder.write_hashes(shard.id, ids, hashes, generation, rows.born)

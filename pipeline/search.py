@@ -173,8 +173,8 @@ class Searcher:
     def _snippets(self, corpus: str | None, previous: Searcher | None = None
                   ) -> tuple[SnippetStore | None, str | None]:
         """A checked corpus for snippets, or None and the one-line reason there is none. The
-        corpus ``previous`` checked for this very set serves on unchecked: the sample the check
-        takes is of the index's ids, and a stale index (rows deleted since) failed it."""
+        corpus ``previous`` checked for this very set serves on unchecked (a reload reads no
+        corpus footers again)."""
         source = corpus or self.set.corpus
         if not source:
             return None, f"set {self.name!r} records no corpus: pass --corpus for snippets"
@@ -191,13 +191,11 @@ class Searcher:
         """The index's ids that are still the set's: those a run deleted since the index was
         built are not in the corpus either, and a stale index's sample of them failed the
         corpus check (every hit lost its snippet, the corpus named as not the set's)."""
-        ids, folder = self.handle.idmap.ids, SetFolder(self.out, self.name)
+        ids = self.handle.idmap.ids
         if self.set.token != self.meta.set_token:
             return ids
-        deleted = []
-        for generation in range(self.meta.generation + 1, self.set.generation + 1):
-            changes = folder.read_changes(generation, ids.type)
-            deleted += changes.deleted_ids if changes is not None else []
+        changes = SetFolder(self.out, self.name).changes_since(self.meta.generation, self.set)
+        deleted = [i for change in changes or [] for i in change.deleted_ids]
         if not deleted:
             return ids
         return ids.filter(pc.invert(pc.is_in(ids, value_set=pa.array(deleted, ids.type))))

@@ -490,12 +490,14 @@ class SetFolder:
         a pass over them: each checked as ``checked_parts`` does, no null id, no null, NaN or
         infinite vector, no id twice (one line naming what is wrong, never such rows)."""
         meta = self.meta()
-        urls = [url for url, _ in self.checked_parts(meta)]
+        parts = self.checked_parts(meta)
+        urls = [url for url, _ in parts]
         if not urls:
             empty = pa.table({"id": pa.array([], arrow_id_type(meta.id_type)),
                               "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
             return pl.from_arrow(empty).lazy()
-        repeated_ids((self._checked_rows(url, meta.dim) for url in urls), self.name, self.out)
+        repeated_ids((self._checked_rows(url, footer, meta.dim) for url, footer in parts),
+                     self.name, self.out)
         with storage.explained(self.url, "read"):
             # the parts' own names, not patterns: an OUT named "run [1]" reads as it is
             frame = pl.scan_parquet(urls, glob=False,
@@ -503,10 +505,10 @@ class SetFolder:
         return frame.select("id", "embedding")
 
     @staticmethod
-    def _checked_rows(url: str, dim: int) -> pa.ChunkedArray:
+    def _checked_rows(url: str, footer: pq.FileMetaData, dim: int) -> pa.ChunkedArray:
         """A part's ids, once its rows are checked (``check_ids``, ``vectors_of``) a row
-        group at a time."""
-        pf = storage.parquet_file(url)
+        group at a time (``footer``: as ``checked_parts`` read it)."""
+        pf = storage.parquet_file(url, footer)
         ids = []
         with storage.explained(url, "read"):
             for group in range(pf.metadata.num_row_groups):
@@ -746,6 +748,17 @@ class SetFolder:
         for name in changes.parts:
             file_name(name, "a changes file")
         storage.write_json(self.changes_url(generation), changes.model_dump())
+
+    def changes_since(self, generation: int, meta: SetMeta) -> list[SetChanges] | None:
+        """The changes files of every run after ``generation`` up to ``meta``'s, in order;
+        None where one of them is missing."""
+        found = []
+        for g in range(generation + 1, meta.generation + 1):
+            change = self.read_changes(g, arrow_id_type(meta.id_type))
+            if change is None:
+                return None
+            found.append(change)
+        return found
 
     def read_changes(self, generation: int, id_type: pa.DataType) -> SetChanges | None:
         """``_changes/<generation>.json`` with its part names and deleted ids (as values of

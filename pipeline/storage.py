@@ -274,8 +274,8 @@ def read_files(urls: Sequence[str]) -> list[bytes | None]:
     done markers on S3 are read in about the time of one, not one after another."""
     if not urls or not is_remote(urls[0]):
         return [_bytes_if_there(url) for url in urls]
-    fs, _ = filesystem(urls[0])
-    paths = [filesystem(url)[1] for url in urls]
+    fs, _ = filesystem(urls[0])  # a folder's files: one store, one client
+    paths = [fs._strip_protocol(url) for url in urls]
     # max_concurrency=1: one GET per file (s3fs asks each file's size first otherwise)
     options = {"max_concurrency": 1} if is_s3(urls[0]) else {}
     with explained(urls[0], "read"):  # cat_ranges: the paths as they are, never globbed
@@ -491,11 +491,12 @@ def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
             raise StorageError(f"{url} is not a readable Parquet file: {exc}") from None
 
 
-def parquet_file(url: str) -> pq.ParquetFile:
-    """Open a Parquet file lazily (metadata only) for streaming row groups."""
+def parquet_file(url: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
+    """Open a Parquet file lazily (metadata only) for streaming row groups; ``metadata``: its
+    footer as a caller already read (and checked) it, not read again."""
     with explained(url, "open"):
         try:
-            return pq.ParquetFile(open_file(url))
+            return pq.ParquetFile(open_file(url), metadata=metadata)
         except pa.ArrowInvalid as exc:
             raise StorageError(f"{url} is not a readable Parquet file: {exc}") from None
 

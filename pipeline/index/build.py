@@ -142,7 +142,7 @@ def _index_set(req: IndexRequest, say: Callable[[str], None]) -> IndexResult:
     if req.kind not in ("auto", current.kind, current.factory):
         return IndexResult(meta=_full(req, info, budget, current, say), action="built",
                            reason=f"kind changed from {current.kind} to {req.kind}")
-    changes = _changes_since(req.out, info, current.generation)
+    changes = SetFolder(req.out, info.name).changes_since(current.generation, info)
     lost = "a changes file is missing" if changes is None else _lost(req.out, current)
     if lost:
         return IndexResult(meta=_full(req, info, budget, current, say, _kept_kind(req, current)),
@@ -188,16 +188,6 @@ def _lost(out: str, current: store.IndexMeta) -> str:
     missing = store.missing_files(out, current)
     return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" \
         if missing else ""
-
-
-def _changes_since(out: str, info: SetMeta, since: int) -> list[SetChanges] | None:
-    found = []
-    for generation in range(since + 1, info.generation + 1):
-        change = SetFolder(out, info.name).read_changes(generation, arrow_id_type(info.id_type))
-        if change is None:
-            return None
-        found.append(change)
-    return found
 
 
 # ---- full build ----------------------------------------------------------------------------

@@ -25,6 +25,10 @@ class Part:
     name: str
     rows: int
     groups: tuple[int, ...]  # rows per row group
+    footer: pq.FileMetaData  # as ``SetFolder.checked_parts`` read it: not read again
+
+    def open(self) -> pq.ParquetFile:
+        return storage.parquet_file(self.url, self.footer)
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class SetVectors:
     def iter_batches(self, batch_rows: int) -> Iterator[tuple[pa.Array, np.ndarray]]:
         """(ids, vectors) of every row, in part order, ``batch_rows`` at a time."""
         for part in self.parts:
-            pf = storage.parquet_file(part.url)
+            pf = part.open()
             with storage.explained(part.url, "read"):
                 for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", "embedding"]):
                     yield (check_ids(batch.column(0), part.url),
@@ -70,7 +74,7 @@ class SetVectors:
             for group, rows in enumerate(part.groups):
                 lo, hi = np.searchsorted(positions, [offset, offset + rows])
                 if hi > lo:
-                    pf = pf or storage.parquet_file(part.url)
+                    pf = pf or part.open()
                     with storage.explained(part.url, "read"):
                         table = pf.read_row_group(group, columns=["id", "embedding"])
                     take = pa.array(positions[lo:hi] - offset)
@@ -89,7 +93,8 @@ class SetVectors:
 def _part(url: str, meta: pq.FileMetaData) -> Part:
     """A part's layout from its (checked: ``SetFolder.checked_parts``) footer."""
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-    return Part(url=url, name=url.rsplit("/", 1)[-1], rows=meta.num_rows, groups=groups)
+    return Part(url=url, name=url.rsplit("/", 1)[-1], rows=meta.num_rows, groups=groups,
+                footer=meta)
 
 
 def read_ids(url: str) -> pa.Array:
