@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -105,7 +106,8 @@ def local_api() -> Iterator[str | None]:
     url = use_local_server()
     if url is None and _configured_api_url():
         check_server()
-        yield None  # the user's server: its settings stand
+        with reasons_only():
+            yield None  # the user's server: its settings stand
         return
     import prefect.context
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -120,12 +122,38 @@ def local_api() -> Iterator[str | None]:
     with temporary_settings(updates=updates), (
         global_settings(prefect.context.get_settings_context())
         if global_settings else contextlib.nullcontext()
-    ):
+    ), reasons_only():
         try:
             yield url
         finally:
             if url is not None:
                 _drain()
+
+
+class _ReasonOnly(logging.Filter):
+    """Drops the traceback from a run log record of an ``EmbedpipeError``: its message is the
+    whole reason (bad input, another writer, a set made another way), and the caller gets the
+    exception itself (the CLI prints it in one line, the Python API raises it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], EmbedpipeError):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+@contextlib.contextmanager
+def reasons_only() -> Iterator[None]:
+    """Within this block, Prefect's flow and task run loggers log a failed run's
+    ``EmbedpipeError`` by its reason alone, without a traceback (any other error keeps it)."""
+    loggers = [logging.getLogger(f"prefect.{runs}") for runs in ("flow_runs", "task_runs")]
+    only = _ReasonOnly()
+    for logger in loggers:
+        logger.addFilter(only)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(only)
 
 
 def check_server() -> None:

@@ -215,3 +215,50 @@ def test_a_cache_that_is_a_file_runs_without_the_reused_server(tmp_path: Path) -
     env = _env(tmp_path, EMBEDPIPE_PREFECT_SERVER="local")
     Path(env["EMBEDPIPE_CACHE"]).write_text("a file")
     assert _call(env) == "None"
+
+
+def test_a_failed_runs_embedpipe_error_is_logged_by_its_reason_alone(prefect_api) -> None:
+    """Inside ``local_api`` (every flow the CLI and the Python API run) Prefect's log of a
+    flow or task run that raised an EmbedpipeError is its reason without a traceback; any
+    other error keeps its traceback."""
+    import logging
+
+    from prefect import flow, task
+
+    from flows.runtime import local_api
+    from pipeline.errors import FingerprintError
+
+    @task
+    def refuse() -> None:
+        raise FingerprintError("set 'mean' was made with another max length")
+
+    @flow
+    def refused() -> None:
+        refuse()
+
+    @flow
+    def broken() -> None:
+        raise ValueError("a bug")
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    loggers = [logging.getLogger(f"prefect.{runs}") for runs in ("flow_runs", "task_runs")]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)  # the suite's quiet_prefect sets CRITICAL
+            logger.addHandler(handler)
+        with local_api():
+            for run, error in ((refused, FingerprintError), (broken, ValueError)):
+                with pytest.raises(error):
+                    run()
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    logged = [(r.name, r.exc_info is not None, r.getMessage()) for r in records]
+    refusals = [(name, tb) for name, tb, message in logged if "another max length" in message]
+    assert ("prefect.task_runs", False) in refusals and ("prefect.flow_runs", False) in refusals
+    assert [(name, tb) for name, tb, message in logged if "a bug" in message] == [
+        ("prefect.flow_runs", True)], logged
