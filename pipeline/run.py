@@ -163,6 +163,7 @@ def set_meta(embedder: Embedder, job: EmbedJob, name: str, id_type: str, key: st
         model_hash=info.model_hash,
         encoder=job.encoder.model_dump(mode="json"),
         pooler=spec.model_dump(mode="json"),
+        pooler_identity=embedder.poolers[name].identity(),
         dim=embedder.dims()[name],
         dtype=info.dtype,
         normalize=spec.normalize,

@@ -65,6 +65,9 @@ class SetMeta(BaseModel):
     model_hash: str
     encoder: dict
     pooler: dict
+    # what else made the pooler's vectors (a learned head's weights digest: Pooler.identity);
+    # None: a set recorded before embedpipe kept it
+    pooler_identity: dict | None = None
     dim: int
     dtype: str
     normalize: bool
@@ -90,10 +93,13 @@ class SetMeta(BaseModel):
 
     def differences(self, other: SetMeta) -> str:
         """``; differs in: ...``: what of the recorded inputs of a fingerprint (model files,
-        max length, window, pooler) differs from ``other``'s; '' where none shows it."""
+        max length, window, pooler, a learned head's files) differs from ``other``'s; '' where
+        none shows it."""
         fields = {"model files": lambda m: m.model_hash, "max length": lambda m: m.max_length,
                   "window": lambda m: m.window,
                   "pooler": lambda m: {k: v for k, v in m.pooler.items() if k != "name"}}
+        if None not in (self.pooler_identity, other.pooler_identity):  # else: not recorded
+            fields["pooler files"] = lambda m: m.pooler_identity
         diffs = [f"{label} {get(self)} -> {get(other)}" for label, get in fields.items()
                  if get(self) != get(other)]
         return f"; differs in: {'; '.join(diffs)}" if diffs else ""

@@ -88,6 +88,30 @@ def test_a_head_trained_again_in_place_is_loaded_again_by_a_long_lived_process(
     np.testing.assert_allclose(after, fresh, rtol=0, atol=1e-6)
 
 
+def test_a_set_continued_with_a_head_trained_again_in_place_names_its_files(
+        head_dir: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The refusal said two fingerprints differ and nothing of what differs: the head's path,
+    the model and the lengths are the same, only the weights in the folder changed."""
+    from _flowkit import job, run_library, text_for, tree_digest, write_corpus
+
+    from pipeline.errors import FingerprintError
+
+    folder = shutil.copytree(head_dir, tmp_path / "head")
+    write_corpus(tmp_path / "a.parquet", list(range(12)), [text_for(i) for i in range(12)])
+    learned = job(tmp_path / "a.parquet", tmp_path / "out", tiny_model_dir, poolers=[
+        {"name": "learned", "strategy": "learned", "head": str(folder)}])
+    run_library(learned)
+    before = tree_digest(tmp_path / "out")
+    retrained = load_head(str(folder))
+    with torch.no_grad():
+        retrained.scorer.weight.normal_()
+    save_head(retrained, str(folder))
+    with pytest.raises(FingerprintError, match=r"; differs in: pooler files \{'head_sha256': "
+                                               r"'[0-9a-f]{16}'\} -> \{'head_sha256': "):
+        run_library(learned)
+    assert tree_digest(tmp_path / "out") == before
+
+
 def test_a_head_json_edited_since_its_weights_were_saved_is_refused(
         head_dir: Path, tmp_path: Path) -> None:
     """Same folder and weights, head.json edited to read another layer (other vectors, the
