@@ -200,7 +200,8 @@ def _id_type(dtype: pa.DataType, file_url: str, column: str) -> pa.DataType:
 def holds_text(dtype: pa.DataType) -> bool:
     """Whether a text column of ``dtype`` can hold text, however it is stored
     (``plain_text``): strings, or binary read as UTF-8 row by row. Any other type (numbers,
-    lists, an all-null column) skips every row of its file as ``not_string``."""
+    lists) skips every row of its file as ``not_string``, but a null as ``null_text`` (every
+    row of an all-null column)."""
     if pa.types.is_dictionary(dtype):
         dtype = dtype.value_type
     return (_is_text(dtype) or pa.types.is_string_view(dtype) or pa.types.is_binary(dtype)

@@ -58,7 +58,8 @@ def pick_set(out: str, name: str | None) -> str:
         sets = list_sets(out)
         hint = f"; build one with `embedpipe index {out}`" if sets else ""
         raise StorageError(f"no indexed sets under {out} (sets: {', '.join(sets) or 'none'}){hint}")
-    raise StorageError(f"{out} has several indexed sets ({', '.join(indexed)}): pass --set NAME")
+    raise StorageError(f"{out} has several indexed sets ({', '.join(indexed)}): name one "
+                       "(--set NAME; set_name= in Python)")
 
 
 def check_queries(queries: Sequence[object]) -> list[str]:
