@@ -352,16 +352,20 @@ def check_model_choices(job: EmbedJob) -> None:
 
     check_dtype(job.encoder.dtype, choose_device(job.encoder.device))
     if job.encoder.max_length or job.encoder.window:
-        _check_lengths(job)
+        from pipeline.models.loader import read_model_files
+
+        row_tokens(job, read_model_files(job.encoder.model))
 
 
-def _check_lengths(job: EmbedJob) -> None:
-    """``max_length`` and a window's size against the model's config (a window wider than the
+def row_tokens(job: EmbedJob, files: ModelFiles) -> tuple[int, str]:
+    """The tokens of a run's longest row (a window's size, else ``max_length`` or what the
+    model reads) and what sets it, as the run's load makes them, after checking
+    ``max_length`` and the window's size against the model's config (a window wider than the
     rows the model reads failed at its load, inside the run): the recorded config where a run
     recorded it (transformers not imported), else read and recorded for the run's own load."""
     from pipeline.models import loader, recorded
 
-    files, trusted = loader.read_model_files(job.encoder.model), job.encoder.trust_remote_code
+    trusted = job.encoder.trust_remote_code
     loader.refuse_remote_code(files, trusted)
     try:
         config, _ = recorded.load(files, files.model_hash(), trusted)
@@ -372,9 +376,12 @@ def _check_lengths(job: EmbedJob) -> None:
         loader.check_max_length(encoder.max_length, config, files.folder)
     # the rows a run reads, as its load makes them (Encoder.check_window refuses wider ones)
     usable = encoder.max_length or loader.max_length(files, config)
-    if encoder.window is not None and encoder.window.size > usable:
+    if encoder.window is None:
+        return usable, f"max_length {usable}"
+    if encoder.window.size > usable:
         where = "max_length" if encoder.max_length else f"the tokens model {files.folder} reads"
         raise ConfigError(f"window size {encoder.window.size} is above {where} ({usable})")
+    return encoder.window.size, f"window size {encoder.window.size}"
 
 
 def check_runs(job: EmbedJob) -> None:
@@ -391,16 +398,19 @@ def check_runs(job: EmbedJob) -> None:
 
 
 def _check_heads_fit(job: EmbedJob, files: ModelFiles) -> None:
-    """Each learned head was trained for the job's model, as ``Learned`` checks at every run's
-    model load, from ``head.json`` alone; under dtype int8 with the kernel chosen at load, for
-    any kernel (each has its own hash)."""
-    from pipeline.head_files import check_trained_for, read_head_config
+    """Each learned head was trained for the job's model and, positional, covers the rows'
+    tokens, as ``Learned`` checks at every run's model load, from ``head.json`` alone; under
+    dtype int8 with the kernel chosen at load, for any kernel (each has its own hash)."""
+    from pipeline.head_files import check_positions, check_trained_for, read_head_config
     from pipeline.models.hashing import INT8_SUFFIXES, quantized_hash
 
     encoder = job.encoder
     kernels = ([None] if encoder.dtype != "int8" else
                list(INT8_SUFFIXES) if encoder.int8_kernel == "auto" else [encoder.int8_kernel])
     fits = {quantized_hash(files.model_hash(), kernel) for kernel in kernels}
-    for spec in job.poolers:
-        if spec.head is not None:
-            check_trained_for(spec.head, read_head_config(spec.head), fits, str(files.folder))
+    heads = {spec.name: spec.head for spec in job.poolers if spec.head is not None}
+    tokens = row_tokens(job, files) if heads else None
+    for name, folder in heads.items():
+        cfg = read_head_config(folder)
+        check_trained_for(folder, cfg, fits, str(files.folder))
+        check_positions(name, folder, cfg, *tokens)

@@ -116,6 +116,18 @@ def check_trained_for(folder: str, cfg: HeadConfig, model_hashes: Collection[str
                           + "".join(dict.fromkeys(int8_hint(cfg.model_hash, h) for h in making)))
 
 
+def check_positions(name: str, folder: str, cfg: HeadConfig, tokens: int, source: str) -> None:
+    """Refuse a positional head (one weight per position) for rows of up to ``tokens`` tokens
+    (``source`` says what sets that) where it covers fewer positions."""
+    if cfg.kind == "positional" and cfg.max_positions < tokens:
+        raise ConfigError(
+            f"pooler {name!r}: positional head {folder} covers {cfg.max_positions} token "
+            f"positions, rows here take up to {tokens} tokens ({source}): set max_length (or a "
+            f"window size) of at most {cfg.max_positions}, or use a head trained with "
+            f"max_positions >= {tokens}"
+        )
+
+
 def head_file_digests(folder: str) -> list[str]:
     """The SHA-256 of ``head.json`` and ``head.safetensors`` (what a job's keys take), each
     read as ``load_head`` reads it: a regular file inside the folder, no larger than its

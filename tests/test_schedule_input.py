@@ -87,6 +87,35 @@ def test_a_head_trained_for_another_model_is_refused_before_the_server_is_asked(
     assert UNREACHABLE not in err[0]
 
 
+@pytest.mark.parametrize(("flags", "problem"), [
+    ([], "pooler 'pos': positional head {head} covers 16 token positions, rows here take up to "
+         "128 tokens (max_length 128)"),
+    (["--window", "24", "--stride", "8"], "rows here take up to 24 tokens (window size 24)"),
+    (["--max-length", "16"], f"cannot reach the Prefect server at {UNREACHABLE}"),
+])
+def test_a_positional_head_narrower_than_the_rows_is_refused_before_the_server_is_asked(
+        corpus: Path, tiny_model_dir: Path, tmp_path: Path, flags: list[str],
+        problem: str) -> None:
+    """Every run would refuse it at its model load (``Learned.check_row_tokens``), the model's
+    own max_length (nothing given) as well as a window's size; rows that fit reach the
+    server."""
+    from pipeline.head_files import HeadConfig
+    from pipeline.models.loader import read_model_files
+    from pipeline.poolers.heads import PoolingHead, save_head
+
+    head = tmp_path / "head"
+    save_head(PoolingHead(HeadConfig(
+        kind="positional", hidden_size=32, num_layers=2, max_positions=16,
+        model_hash=read_model_files(str(tiny_model_dir)).model_hash())), str(head))
+    config = tmp_path / "job.toml"
+    config.write_text(f'[[poolers]]\nname = "pos"\nstrategy = "learned"\nhead = "{head}"\n')
+    code, err = _schedule(corpus, tmp_path / "out", tiny_model_dir, "--cron", "0 2 * * *",
+                          "--config", str(config), *flags)
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("embedpipe schedule: error: ")
+    assert problem.format(head=head) in err[0], err
+
+
 @pytest.mark.parametrize("command", ["embed", "index"])
 def test_a_run_on_a_server_that_does_not_answer_is_one_line_naming_it(
         corpus: Path, tiny_model_dir: Path, tmp_path: Path, command: str) -> None:

@@ -7,7 +7,7 @@ import torch
 from pipeline.config import PoolerSpec
 from pipeline.encoder import EncoderInfo, TokenStates
 from pipeline.errors import ConfigError
-from pipeline.head_files import HeadConfig, check_trained_for
+from pipeline.head_files import HeadConfig, check_positions, check_trained_for
 from pipeline.models.head import ModelParts
 from pipeline.poolers.base import Pooler, register
 from pipeline.poolers.heads import load_head
@@ -43,14 +43,7 @@ class Learned(Pooler):
 
     def check_row_tokens(self, tokens: int, source: str) -> None:
         """A positional head has one weight per position: rows must fit in them."""
-        cfg = self.pooling_head.cfg
-        if cfg.kind == "positional" and cfg.max_positions < tokens:
-            raise ConfigError(
-                f"pooler {self.spec.name!r}: positional head {self.spec.head} covers "
-                f"{cfg.max_positions} token positions, rows here take up to {tokens} tokens "
-                f"({source}): set max_length (or a window size) of at most {cfg.max_positions}, "
-                f"or use a head trained with max_positions >= {tokens}"
-            )
+        check_positions(self.spec.name, self.spec.head, self.pooling_head.cfg, tokens, source)
 
     def combined_width(self) -> int:
         return self.pooling_head.cfg.dim
