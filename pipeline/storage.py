@@ -603,33 +603,6 @@ def remove(url: str, recursive: bool = False) -> None:
             fs.rm(path, recursive=recursive)
 
 
-def upload_dir(local: str | Path, url: str) -> None:
-    """Copy a local folder to ``url`` (a no-op when ``url`` is that folder).
-
-    Each file is written atomically; files whose names start with ``_`` (markers such as
-    ``_INDEX.json``) go last, so a reader that finds the marker finds everything else too.
-    """
-    src = Path(local)
-    files = sorted(
-        (p for p in src.rglob("*") if p.is_file() and not p.name.startswith(".")),
-        key=lambda p: (p.name.startswith("_"), p.relative_to(src).as_posix()),
-    )
-    if not is_remote(url):
-        dest = Path(local_path(url))
-        if dest.resolve() == src.resolve():
-            return
-        for p in files:
-            with explained(str(dest), "write"):
-                target = dest / p.relative_to(src)
-                _write_local_atomic(str(target), lambda fh, p=p: _copy_into(p, fh))
-        return
-    if not files:
-        fs, _ = filesystem(url)
-        _require_bucket(fs, url, "upload to")
-    for p in files:
-        put_file(p, join(url, p.relative_to(src).as_posix()))
-
-
 def put_file(local: str | Path, url: str) -> None:
     """Upload the local file ``local`` to remote ``url`` (an object appears whole or not)."""
     fs, path = filesystem(url)
@@ -652,11 +625,6 @@ def _botocore_credentials() -> dict[str, str]:
         if frozen.token:
             options["aws_session_token"] = frozen.token
     return options
-
-
-def _copy_into(source: Path, fh) -> None:
-    with open(source, "rb") as src:
-        shutil.copyfileobj(src, fh)
 
 
 def polars_options(url: str) -> dict[str, str]:

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import unquote
 
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
@@ -241,3 +242,15 @@ def allow_all_but(deny_actions: list[str], deny_resources: list[str]) -> list[di
     if deny_actions:
         statements.append({"Effect": "Deny", "Action": deny_actions, "Resource": deny_resources})
     return statements
+
+
+def upload_dir(local: Path, url: str) -> None:
+    """Copy a local folder to ``url``, file by file, the ``_``-named markers last (as a run
+    writes them: a reader that finds a marker finds what it names)."""
+    from pipeline import storage
+
+    fs, root = storage.filesystem(url)
+    files = sorted((p for p in local.rglob("*") if p.is_file()),
+                   key=lambda p: (p.name.startswith("_"), p.relative_to(local).as_posix()))
+    for path in files:
+        fs.put_file(str(path), f"{root}/{path.relative_to(local).as_posix()}")

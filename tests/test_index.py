@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _index_sets import bump, clustered, exact_top, meta, write_meta, write_part, write_set
+from _s3 import upload_dir
 
 from pipeline import storage
 from pipeline.errors import ConfigError, FingerprintError, StorageError
@@ -264,7 +265,7 @@ def test_index_on_s3_builds_locally_uploads_and_loads_through_a_cache(
     local = tmp_path / "local"
     parts = write_set(local, "s", [f"d{i}" for i in range(1_500)], x)
     out = f"s3://{s3_bucket}/run"
-    storage.upload_dir(local / "sets", f"{out}/sets")
+    upload_dir(local / "sets", f"{out}/sets")
     m = index_set(IndexRequest(out=out, set_name="s", kind="ivf"), say=lambda _: None).meta
     listed = {u.rsplit("/", 1)[-1] for u in storage.list_files(f"{out}/index/s")}
     assert listed == {"_INDEX.json", m.index_file, m.idmap_file}
@@ -275,7 +276,7 @@ def test_index_on_s3_builds_locally_uploads_and_loads_through_a_cache(
 
     write_part(local, "s", parts[0], [f"d{i}" for i in range(1, 500)], x[1:500])
     bump(local, "s", [parts[0]], ["d0"])
-    storage.upload_dir(local / "sets", f"{out}/sets")
+    upload_dir(local / "sets", f"{out}/sets")
     caught = index_set(IndexRequest(out=out, set_name="s"), say=lambda _: None)
     assert (caught.action, caught.meta.rows) == ("caught up", 1_499), caught.reason
     top = open_index(out, store.read_meta(out, "s")).search(x[:1], 3)[0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -297,40 +296,6 @@ def test_non_parquet_file_is_a_storage_error(root: str) -> None:
 
 
 # --- whole folders ---------------------------------------------------------------------------
-
-
-def _make_folder(path: Path, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        (path / name).parent.mkdir(parents=True, exist_ok=True)
-        (path / name).write_bytes(data)
-
-
-def _read_folder(path: Path) -> dict[str, bytes]:
-    return {p.relative_to(path).as_posix(): p.read_bytes()
-            for p in sorted(path.rglob("*")) if p.is_file()}
-
-
-def test_upload_dir_round_trip(root: str, tmp_path: Path) -> None:
-    src = tmp_path / "build"
-    files = {"index.faiss": os.urandom(50_000), "ids.parquet": b"ids", "sub/x.bin": b"x",
-             "_INDEX.json": json.dumps({"kind": "flat"}).encode()}
-    _make_folder(src, files)
-    url = storage.join(root, "index", "mean")
-    storage.upload_dir(src, url)
-    for name, data in files.items():
-        assert storage.read_bytes(storage.join(url, name)) == data
-        assert storage.size(storage.join(url, name)) == len(data)
-    listed = {u.rsplit("/", 1)[-1] for u in storage.list_files(url)}
-    assert listed == {"index.faiss", "ids.parquet", "sub", "_INDEX.json"}
-
-
-def test_upload_dir_between_local_folders(tmp_path: Path) -> None:
-    src, dest = tmp_path / "a", tmp_path / "b"
-    _make_folder(src, {"x.bin": b"1", "_DONE.json": b"{}", "s/y.bin": b"2"})
-    storage.upload_dir(src, str(dest))
-    assert _read_folder(dest) == _read_folder(src)
-    storage.upload_dir(src, str(src))  # same folder: nothing to do
-    assert _read_folder(src) == {"x.bin": b"1", "_DONE.json": b"{}", "s/y.bin": b"2"}
 
 
 # --- S3 configuration and bad input ----------------------------------------------------------

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from _index_sets import clustered, write_set
+from _s3 import upload_dir
 from _search_sets import TEXTS, embedded_set
 from safetensors.torch import save as save_safetensors
 
@@ -79,7 +80,7 @@ def local_out(tmp_path: Path) -> str:
 def s3_out(tmp_path: Path, bucket: str) -> str:
     write_set(tmp_path / "staging", "s", [f"d{i}" for i in range(len(X))], X, parts=2)
     out = f"s3://{bucket}/run"
-    storage.upload_dir(tmp_path / "staging" / "sets", f"{out}/sets")
+    upload_dir(tmp_path / "staging" / "sets", f"{out}/sets")
     build(out)
     return out
 
