@@ -433,3 +433,55 @@ def test_dense_weights_that_are_no_safetensors_are_one_line(copy: Path) -> None:
     (copy / "2_Dense" / "model.safetensors").write_text("garbage")
     with pytest.raises(ModelError, match="2_Dense/model.safetensors is not a safetensors file"):
         embedder(copy)
+
+
+class _Calls:
+    """Pickles as a call of ``print``: what a weights file must never make happen."""
+
+    def __reduce__(self):
+        return print, ("a pickled call ran",)
+
+
+def test_dense_weights_of_another_shape_or_with_more_than_tensors_are_one_line_naming_it(
+        copy: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    dense = copy / "2_Dense"
+    save_file({"linear.weight": torch.zeros(16, 20), "linear.bias": torch.zeros(16)},
+              str(dense / "model.safetensors"))
+    with pytest.raises(ModelError) as err:
+        embedder(copy)
+    assert str(err.value).endswith("2_Dense: Dense weights do not match its config.json: weight "
+                                   "linear.weight is (16, 20), its config.json makes (16, 32)")
+    (dense / "model.safetensors").unlink()
+    torch.save({"linear.weight": _Calls()}, dense / "pytorch_model.bin")
+    capfd.readouterr()
+    with pytest.raises(ModelError) as err:
+        embedder(copy)
+    message = str(err.value)
+    assert "\n" not in message and "weights_only" not in message
+    assert "pytorch_model.bin is not a plain tensor file (UnpicklingError" in message
+    assert capfd.readouterr().err == ""  # torch's warning, and nothing ran
+    assert "a pickled call ran" not in capfd.readouterr().out
+
+
+def test_transformer_weights_damaged_or_of_another_shape_are_one_line_and_nothing_else(
+        copy: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """transformers' load report (a table on stderr) said before embedpipe's line what that
+    line says; a damaged checkpoint raised safetensors' own error with a traceback."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = copy / "model.safetensors"
+    state = load_file(str(weights))
+    state["encoder.layer.0.intermediate.dense.weight"] = torch.zeros(60, 32)
+    save_file(state, str(weights))
+    capfd.readouterr()
+    with pytest.raises(ModelError, match=r"weight encoder.layer.0.intermediate.dense.weight has "
+                                         r"shape \(60, 32\) in the checkpoint but \(64, 32\)"):
+        embedder(copy)
+    assert "LOAD REPORT" not in capfd.readouterr().err
+    weights.write_bytes(bytes(100))
+    with pytest.raises(ModelError, match=r"model.safetensors is not a safetensors file: "):
+        embedder(copy)

@@ -7,6 +7,7 @@ names it. Weights come from ``model.safetensors`` (or a tensors-only ``pytorch_m
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,12 +77,28 @@ def load_dense(folder: Path) -> Dense:
     """The Dense saved in ``folder``, its weights checked against its config."""
     dense = Dense(read_dense_config(folder))
     tensors = _read_weights(folder)
-    try:
-        dense.load_state_dict(tensors, strict=True)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise ModelError(f"{folder}: Dense weights do not match its config.json: {first}") from None
+    _check_shapes(folder, dense, tensors)
+    dense.load_state_dict(tensors, strict=True)
     return dense.eval()
+
+
+def _check_shapes(folder: Path, dense: Dense, tensors: object) -> None:
+    """Refuse weights that are not the tensors ``dense``'s config makes, naming the first
+    that differs (torch's own error names them lines below its header)."""
+    wanted = {name: tuple(t.shape) for name, t in dense.state_dict().items()}
+    if not isinstance(tensors, dict) or not all(
+            isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ModelError(f"{folder}: the Dense weights file holds no plain name-to-tensor map")
+    stored = {str(name): tuple(t.shape) for name, t in tensors.items()}
+    problems = [f"weight {n} is {stored[n]}, its config.json makes {wanted[n]}"
+                for n in wanted if n in stored and stored[n] != wanted[n]]
+    problems += [f"weight {n} is missing" for n in wanted if n not in stored]
+    problems += [f"weight {n} is not one its config.json makes" for n in stored
+                 if n not in wanted]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ModelError(f"{folder}: Dense weights do not match its config.json: "
+                         f"{problems[0]}{more}")
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -96,8 +113,13 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
                              f"{exc}") from None
     if (folder / "pytorch_model.bin").is_file():
         try:  # tensors only: the restricted unpickler runs no code from the file
-            return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as exc:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torch.load(folder / "pytorch_model.bin", map_location="cpu",
+                                  weights_only=True)
+        except Exception as exc:  # torch's text advises loading it unrestricted: not here
             raise ModelError(
-                f"{folder}/pytorch_model.bin is not a plain tensor file: {exc}") from None
+                f"{folder}/pytorch_model.bin is not a plain tensor file ({type(exc).__name__}: "
+                "it holds more than tensors, or is damaged); refused, nothing in it ran; save "
+                "the Dense with sentence-transformers as model.safetensors") from None
     raise ModelError(f"{folder} has no model.safetensors or pytorch_model.bin for its Dense")

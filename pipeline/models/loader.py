@@ -7,6 +7,8 @@ any work. ``load_*`` then build what those files describe.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -168,10 +170,11 @@ def load_transformer(files: ModelFiles, trust_remote_code: bool, eager: bool,
     from transformers import AutoModel
 
     attn = "eager" if eager else None
-    model, loading = AutoModel.from_pretrained(
-        str(files.transformer_dir), config=config, attn_implementation=attn, dtype=torch.float32,
-        output_loading_info=True, ignore_mismatched_sizes=True, **_model_args(files),
-        **_hub(trust_remote_code))
+    with _reports_kept():  # _check_loaded says in one line what the report would in a table
+        model, loading = AutoModel.from_pretrained(
+            str(files.transformer_dir), config=config, attn_implementation=attn,
+            dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True,
+            **_model_args(files), **_hub(trust_remote_code))
     _check_loaded(files, loading)
     return model.eval()
 
@@ -206,17 +209,20 @@ def read_fused_weights(files: ModelFiles, wanted: dict[str, tuple[int, ...]], ba
     where transformers' own loader must decide: model arguments, a sharded or pickled
     checkpoint, or names or shapes it would rename, leave missing or refuse."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = files.transformer_dir / "model.safetensors"
     if _model_args(files) or not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as stored:
-        names = set(stored.keys())
-        prefix = f"{base}." if f"{base}.{next(iter(wanted))}" in names else ""
-        if any(prefix + name not in names for name in wanted):
-            return None
-        state = {name: stored.get_tensor(prefix + name).to(torch.float32) for name in wanted}
+    try:
+        with safe_open(str(path), framework="pt") as stored:
+            names = set(stored.keys())
+            prefix = f"{base}." if f"{base}.{next(iter(wanted))}" in names else ""
+            if any(prefix + name not in names for name in wanted):
+                return None
+            state = {name: stored.get_tensor(prefix + name).to(torch.float32) for name in wanted}
+    except SafetensorError as exc:
+        raise ModelError(f"{path} is not a safetensors file: {exc}") from None
     if any(tuple(state[name].shape) != shape for name, shape in wanted.items()):
         return None
     return state
@@ -234,6 +240,19 @@ def _quiet_transformers() -> None:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def _reports_kept() -> Iterator[None]:
+    """transformers' warnings (its load report's table) kept off stderr within the block."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 def _hub(trust_remote_code: bool) -> dict:
