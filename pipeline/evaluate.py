@@ -34,6 +34,10 @@ class SetScores(BaseModel):
     scores: dict[str, float]
     unlabelled: int = 0  # rows of the queries file without a query or a doc_id: not scored
     absent: int = 0  # labelled (query, doc_id) pairs whose doc_id the set lacks: misses
+    # a run wrote to the set after the last that finished (SetFolder.unfinished): it holds
+    # other rows than the corpus's, and its scores are not comparable with a complete set's
+    unfinished: bool = False
+    stale: bool = False  # search "index": the set changed since its index was built
 
 
 def load_queries(url: str) -> tuple[pl.DataFrame, int]:
@@ -51,6 +55,9 @@ def load_queries(url: str) -> tuple[pl.DataFrame, int]:
         frame = _decoded(pl.from_arrow(table.select(["query", "doc_id"])))
         if frame.schema["query"] != pl.String:
             raise CorpusError(f"{path}: column query is {frame.schema['query']}, not text")
+        if frame.schema["doc_id"].is_nested():
+            raise CorpusError(f"{path}: column doc_id is {table.schema.field('doc_id').type}, "
+                              "not ids (integers or text): one row per (query, doc_id)")
         frames.append(frame)
     try:
         every = pl.concat(frames, how="vertical_relaxed")
@@ -115,11 +122,15 @@ def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
     ``load``: keyword arguments for loading the set's model (``device``, ``trust_remote_code``).
     """
     load = load or {}
-    info = SetFolder(out, name).meta()
+    folder = SetFolder(out, name)
+    info = folder.meta()
     use_exact = choose_exact(out, info, exact)
     queries = relevant["query"].unique(maintain_order=True).to_list()
-    found, ids = (_exact_found(out, info, queries, k, load) if use_exact
-                  else _index_found(out, name, queries, k, load))
+    stale = False
+    if use_exact:
+        found, ids = _exact_found(out, info, queries, k, load)
+    else:
+        found, ids, stale = _index_found(out, name, queries, k, load)
     wanted = relevant.rename({"doc_id": "doc"}).with_columns(
         doc=pl.from_arrow(_as_type(relevant["doc_id"].to_arrow(), ids.type)))
     absent = wanted.join(pl.DataFrame({"doc": pl.from_arrow(ids)}), on="doc", how="anti")
@@ -127,7 +138,8 @@ def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,
     per_query = ranking.per_query(ranks, k)
     search = "exact" if use_exact else "index"
     scores = SetScores(set=name, queries=len(queries), k=k, search=search,
-                       scores=ranking.mean_scores(per_query, k), absent=absent.height)
+                       scores=ranking.mean_scores(per_query, k), absent=absent.height,
+                       unfinished=folder.unfinished(info), stale=stale)
     rows = ranks.rename({"doc": "doc_id"}).with_columns(  # doc_id typed as the set's ids
         set=pl.lit(name), search=pl.lit(search), k=pl.lit(k, pl.Int32))
     return scores, rows.select("set", "search", "k", "query", "doc_id", "rank")
@@ -181,8 +193,9 @@ def _exact_found(out: str, info: SetMeta, queries: list[str], k: int,
 
 
 def _index_found(out: str, name: str, queries: list[str], k: int,
-                 load: dict) -> tuple[pl.DataFrame, pa.Array]:
-    """(query, doc, rank) of the set's published index, and the ids it holds."""
+                 load: dict) -> tuple[pl.DataFrame, pa.Array, bool]:
+    """(query, doc, rank) of the set's published index, the ids it holds, and whether the
+    set changed since it was built."""
     from pipeline.search import Searcher
 
     searcher = Searcher(out, name, snippets=False, **load)
@@ -192,7 +205,8 @@ def _index_found(out: str, name: str, queries: list[str], k: int,
         rankings += [[h.id for h in row] for row in hits]
     found = ranking.found_frame(rankings, queries)
     ids = searcher.handle.idmap.ids
-    return found.with_columns(doc=pl.from_arrow(_as_type(found["doc"].to_arrow(), ids.type))), ids
+    typed = found.with_columns(doc=pl.from_arrow(_as_type(found["doc"].to_arrow(), ids.type)))
+    return typed, ids, searcher.stale
 
 
 def _as_type(ids: pa.Array, id_type: pa.DataType) -> pa.Array:
@@ -242,12 +256,30 @@ def table(results: list[SetScores]) -> str:
             + "".join(f"{r.scores[m]:>{w}.4f}" for m, w in zip(metrics, widths, strict=True))
             for r in results]
     unlabelled = results[0].unlabelled if results else 0
-    notes = [f"({r.absent} labelled doc_id(s) not in set {r.set}: scored as misses; was the "
-             "queries file made for this corpus?)" for r in results if r.absent]
+    notes = [note for r in results for note in _notes(r)]
     if unlabelled:
         notes.append(f"({unlabelled} rows of the queries file without a query or a doc_id: "
                      "not scored)")
     return "\n".join([head, *rows, *notes])
+
+
+def _notes(r: SetScores) -> list[str]:
+    """What the table says under a set's row: why its scores may not compare with the
+    others', and its labelled docs it could not find."""
+    notes = []
+    if r.unfinished:
+        notes.append(f"(set {r.set}: a run wrote to it since the last one that finished: it "
+                     "holds other rows than the corpus's, so its scores do not compare with a "
+                     "complete set's; finish it with `embedpipe embed` or `backfill`)")
+    if r.stale:
+        notes.append(f"(set {r.set}: changed since its index was built, which was searched; "
+                     "run `embedpipe index`, or score it exactly)")
+    if r.absent:
+        where = (f"the index of set {r.set}" if r.stale else f"set {r.set}")
+        why = ("" if r.unfinished or r.stale
+               else "; was the queries file made for this corpus?")
+        notes.append(f"({r.absent} labelled doc_id(s) not in {where}: scored as misses{why})")
+    return notes
 
 
 def plot(results: list[SetScores], path: str) -> None:

@@ -600,6 +600,14 @@ class SetFolder:
             markers[marker.shard] = marker
         return markers
 
+    def unfinished(self, meta: SetMeta) -> bool:
+        """Whether a run wrote to the set or took shards from it after the last run that
+        finished (killed, or still running): its done markers no longer add up to the shards
+        and rows ``meta`` (``_SET.json``) recorded at that run's end."""
+        markers = self.read_markers()
+        return (len(markers) != meta.shards_done
+                or sum(m.rows for m in markers.values()) != meta.rows_written)
+
     def marked_shards(self) -> set[str]:
         """Shard ids that have a done marker file, by name (one listing, no reads)."""
         names = (url.rsplit("/", 1)[-1] for url in storage.list_files(self._at("_done"), ".json"))

@@ -44,6 +44,7 @@ def embedded_set(root: Path, model_dir: Path, name: str = "mean", texts=TEXTS,
         "dtype": "fp32", "normalize": spec.normalize, "max_length": emb.info.max_length,
         "window": None, "generation": 1, "id_type": "int64", "corpus": str(corpus),
         "id_column": "id", "text_column": "text", "token": uuid.uuid4().hex,
+        "shards_done": 1, "rows_written": len(ids),  # as the run that wrote the part ended
     })
     write_changes(out, name, 1, ["part-00000.parquet"], [])
     return out

@@ -274,3 +274,76 @@ def test_a_query_with_no_visible_character_is_unlabelled_either_way(tmp_path, ti
     assert main(["eval", str(out), str(queries), "--set", "mean", search, "--json"]) == 0
     [result] = json.loads(capsys.readouterr().out)
     assert (result["queries"], result["unlabelled"]) == (3, 2)
+
+
+def test_a_set_whose_run_did_not_finish_is_noted_until_it_is_finished(tmp_path, tiny_model_dir,
+                                                                      monkeypatch):
+    """A backfill that stopped after one of three shards: eval scored its third of the
+    corpus beside the complete set, as the winner, and blamed the queries file for the
+    docs it lacked."""
+    from _flowkit import job, run_library, text_for, write_corpus
+
+    from pipeline.evaluate import evaluate_sets
+    from pipeline.faults import InjectedFault
+
+    ids = list(range(60))
+    write_corpus(tmp_path / "c.parquet", ids, [text_for(i) for i in ids])
+    make = job(tmp_path / "c.parquet", tmp_path / "out", tiny_model_dir)
+    run_library(make)
+    monkeypatch.setenv("EMBEDPIPE_FAILPOINT", f"write_marker:1:1:{tmp_path / 'fp'}")
+    backfill = make | {"poolers": [{"name": "cls", "strategy": "cls"}]}
+    with pytest.raises(InjectedFault):
+        run_library(backfill)  # one shard of three written, then the run stopped
+    monkeypatch.delenv("EMBEDPIPE_FAILPOINT")
+    queries = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"query": [text_for(i) for i in (0, 30, 59)],
+                             "doc_id": [0, 30, 59]}), queries)
+    cls, mean = evaluate_sets(str(tmp_path / "out"), str(queries), ["cls", "mean"], k=3)
+    assert (cls.unfinished, mean.unfinished) == (True, False)
+    notes = table([cls, mean]).splitlines()[3:]
+    assert notes[0].startswith("(set cls: a run wrote to it since the last one that finished")
+    assert cls.absent == 2 and notes[1] == "(2 labelled doc_id(s) not in set cls: scored as misses)"
+    run_library(backfill)
+    cls, mean = evaluate_sets(str(tmp_path / "out"), str(queries), ["cls", "mean"], k=3)
+    assert not (cls.unfinished or mean.unfinished) and cls.absent == 0
+    assert table([cls, mean]).count("\n") == 2
+
+
+def test_an_index_older_than_its_set_is_noted_and_its_missing_docs_not_blamed_on_the_queries(
+        tmp_path, tiny_model_dir, capsys):
+    from _flowkit import job, run_library, text_for, write_corpus
+
+    ids = list(range(20))
+    write_corpus(tmp_path / "c" / "a.parquet", ids, [text_for(i) for i in ids])
+    make = job(tmp_path / "c", tmp_path / "out", tiny_model_dir)
+    run_library(make)
+    out = str(tmp_path / "out")
+    index_set(IndexRequest(out=out, set_name="mean"), say=lambda _: None)
+    write_corpus(tmp_path / "c" / "b.parquet", [20, 21], [text_for(20), text_for(21)])
+    run_library(make, verify=True)  # the nightly run: two rows the index has not caught up
+    queries = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"query": [text_for(i) for i in (3, 20, 21)],
+                             "doc_id": [3, 20, 21]}), queries)
+    assert main(["eval", out, str(queries), "--no-exact", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert (result["stale"], result["absent"], result["unfinished"]) == (True, 2, False)
+    assert main(["eval", out, str(queries), "--no-exact"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "(set mean: changed since its index was built, which was searched; run `embedpipe "
+        "index`, or score it exactly)",
+        "(2 labelled doc_id(s) not in the index of set mean: scored as misses)"]
+    assert main(["eval", out, str(queries), "--exact", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert (result["stale"], result["absent"]) == (False, 0)
+
+
+@pytest.mark.parametrize(("doc_id", "stored"), [([[1, 2]], "list<element: int64>"),
+                                                ([{"x": 1}], "struct<x: int64>")])
+def test_a_doc_id_column_of_lists_or_structs_is_one_line_before_any_model_loads(
+        tmp_path, doc_id, stored):
+    """It failed with Arrow's traceback, after every query was encoded and searched."""
+    path = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"query": ["a"], "doc_id": doc_id}), path)
+    with pytest.raises(CorpusError, match=rf"column doc_id is {stored}, not ids \(integers "
+                                          r"or text\)"):
+        load_queries(str(path))
