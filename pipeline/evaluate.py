@@ -9,7 +9,8 @@ The metrics are ``pipeline.ranking``'s; the per-query ranks are a polars frame.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import polars as pl
@@ -19,11 +20,12 @@ from pydantic import BaseModel
 
 from pipeline import ranking, storage
 from pipeline.corpus import arrow_id_type, blank
-from pipeline.errors import ConfigError, CorpusError, StorageError
+from pipeline.errors import ConfigError, CorpusError, EmbedpipeError, StorageError
 from pipeline.sets import SetFolder, SetMeta, repeated_ids
 
 EXACT_MAX_BYTES = 2 << 30  # sets up to this many bytes of vectors are scored exactly by default
 SEARCH_BATCH = 256  # queries encoded and searched at once
+T = TypeVar("T")
 
 
 class SetScores(BaseModel):
@@ -96,10 +98,21 @@ def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: 
     if not names:
         raise StorageError(f"no sets under {out}; run `embedpipe embed` first")
     load = {"device": device, "trust_remote_code": trust_remote_code}
-    scored = [evaluate_set(out, name, relevant, k, exact, load) for name in names]
+    scored = [_named(name, evaluate_set, out, name, relevant, k, exact, load) for name in names]
     if ranks_out:
         write_ranks([ranks for _, ranks in scored], ranks_out)
     return [scores.model_copy(update={"unlabelled": unlabelled}) for scores, _ in scored]
+
+
+def _named(name: str, score: Callable[..., T], *args: object) -> T:
+    """``score(*args)``, its refusal saying which set it is about (one set's missing head or
+    model fails the whole eval; ``--set`` scores the others)."""
+    try:
+        return score(*args)
+    except EmbedpipeError as exc:
+        if f"set {name!r}" not in str(exc):
+            exc.args = (f"set {name!r}: {exc}",)
+        raise
 
 
 def check_report_path(out: str, path: str | None, what: str) -> None:
@@ -112,6 +125,8 @@ def check_report_path(out: str, path: str | None, what: str) -> None:
     if storage.is_under(path, out):
         raise ConfigError(f"{what} {path} lies inside OUT {out}: write reports elsewhere "
                           "(a file there could replace one of OUT's own)")
+    if storage.is_dir(path):  # found before scoring, not after it
+        raise ConfigError(f"{what} {path} is a folder: give the file to write")
 
 
 def evaluate_set(out: str, name: str, relevant: pl.DataFrame, k: int = 10,

@@ -236,6 +236,12 @@ def exists(url: str) -> bool:
         return fs.exists(path)
 
 
+def is_dir(url: str) -> bool:
+    fs, path = filesystem(url)
+    with explained(url, "check"):
+        return fs.isdir(path)
+
+
 def size(url: str) -> int:
     """Bytes in the file at ``url`` (read before reading a file whose size must be bounded)."""
     fs, path = filesystem(url)

@@ -347,3 +347,36 @@ def test_a_doc_id_column_of_lists_or_structs_is_one_line_before_any_model_loads(
     with pytest.raises(CorpusError, match=rf"column doc_id is {stored}, not ids \(integers "
                                           r"or text\)"):
         load_queries(str(path))
+
+
+def test_one_sets_missing_head_names_the_set_and_a_report_path_that_is_a_folder_fails_first(
+        tmp_path, tiny_model_dir, capsys):
+    """A set whose learned head was removed failed the eval of every set with a line naming
+    only the head's file; ``--plot`` naming a folder failed after all the scoring."""
+    import shutil
+
+    from _flowkit import job, run_library, text_for, write_corpus
+
+    from pipeline.head_files import HeadConfig
+    from pipeline.models.loader import read_model_files
+    from pipeline.poolers.heads import PoolingHead, save_head
+
+    head = tmp_path / "head"
+    save_head(PoolingHead(HeadConfig(
+        kind="attention", hidden_size=32, num_layers=2,
+        model_hash=read_model_files(str(tiny_model_dir)).model_hash())), str(head))
+    write_corpus(tmp_path / "c.parquet", list(range(10)), [text_for(i) for i in range(10)])
+    run_library(job(tmp_path / "c.parquet", tmp_path / "out", tiny_model_dir, poolers=[
+        {"name": "mean"}, {"name": "tuned", "strategy": "learned", "head": str(head)}]))
+    queries = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"query": [text_for(1)], "doc_id": [1]}), queries)
+    out = str(tmp_path / "out")
+    (tmp_path / "charts").mkdir()
+    assert main(["eval", out, str(queries), "--plot", str(tmp_path / "charts")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"embedpipe eval: error: --plot {tmp_path / 'charts'} is a folder: give the file to write")
+    shutil.rmtree(head)
+    assert main(["eval", out, str(queries)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"embedpipe eval: error: set 'tuned': cannot read {head}"), err
+    assert main(["eval", out, str(queries), "--set", "mean"]) == 0
