@@ -183,7 +183,7 @@ def test_doc_ids_that_are_no_ids_of_the_set_are_named(tmp_path, tiny_model_dir, 
     queries = tmp_path / "queries.parquet"
     pq.write_table(pa.table({"query": TEXTS[:3], "doc_id": doc_ids}), queries)
     assert main(["eval", str(out), str(queries), "--exact"]) != 0
-    assert capsys.readouterr().err.strip() == f"embedpipe eval: error: {says}"
+    assert capsys.readouterr().err.strip() == f"embedpipe eval: error: set 'mean': {says}"
 
 
 @pytest.mark.parametrize("search", ["--exact", "--no-exact"])
