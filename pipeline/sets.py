@@ -69,7 +69,7 @@ class SetMeta(BaseModel):
     # None: a set recorded before embedpipe kept it
     pooler_identity: dict | None = None
     dim: int
-    dtype: str
+    dtype: str  # the dtype its vectors were computed in; "bf16+fp32": runs used both
     normalize: bool
     # the model's similarity_fn_name; None: a set recorded before embedpipe kept it
     similarity: Similarity | None = None
@@ -428,8 +428,14 @@ class SetFolder:
                 f"set {self.name!r} in {self.out} stores {stored.id_type} ids, the corpus has "
                 f"{meta.id_type}"
             )
+        update = {}
         if meta.job_key and stored.job_key != meta.job_key:  # same vectors, another way there
-            stored = stored.model_copy(update={"job_key": meta.job_key})
+            update["job_key"] = meta.job_key
+        made_in = stored.dtype.split("+")
+        if meta.dtype not in made_in:  # bf16 and fp32 vectors share a fingerprint: say both
+            update["dtype"] = "+".join(sorted([*made_in, meta.dtype]))
+        if update:
+            stored = stored.model_copy(update=update)
             self.write_meta(stored)
         return stored
 

@@ -260,3 +260,23 @@ def test_the_check_times_the_dtypes_in_turns_until_each_ran_long_enough(
     assert fp32_s >= forward_s and bf16_s >= forward_s
     if forward_s:
         assert rounds * forward_s >= TIMING_SECONDS
+
+
+def test_a_set_continued_in_another_float_dtype_records_both(tmp_path, tiny_model_dir) -> None:
+    """bf16 and fp32 vectors share a fingerprint (a set takes both); ``_SET.json`` said bf16
+    for a set whose later rows were fp32's."""
+    from _flowkit import job, run_library, text_for, write_corpus
+
+    from pipeline.sets import SetFolder
+
+    write_corpus(tmp_path / "c" / "a.parquet", list(range(10)), [text_for(i) for i in range(10)])
+    bf16 = job(tmp_path / "c", tmp_path / "out", tiny_model_dir)
+    bf16["encoder"] = bf16["encoder"] | {"dtype": "bf16"}
+    run_library(bf16)
+    assert SetFolder(str(tmp_path / "out"), "mean").meta().dtype == "bf16"
+    write_corpus(tmp_path / "c" / "b.parquet", [10, 11], [text_for(10), text_for(11)])
+    summary = run_library(job(tmp_path / "c", tmp_path / "out", tiny_model_dir))  # fp32
+    assert summary.embedded == 2
+    assert SetFolder(str(tmp_path / "out"), "mean").meta().dtype == "bf16+fp32"
+    run_library(bf16)
+    assert SetFolder(str(tmp_path / "out"), "mean").meta().dtype == "bf16+fp32"
