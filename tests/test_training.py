@@ -437,3 +437,19 @@ def test_head_out_is_checked_before_any_work(pairs_path: str, tmp_path: Path,
     assert (head / "head.safetensors").read_bytes() == weights
     train(config(pairs_path, head, model, kind="adapter", epochs=1, seed=3, overwrite=True))
     assert (head / "head.safetensors").read_bytes() != weights
+
+
+def test_a_head_no_epoch_improved_on_is_saved_with_a_note_saying_so(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """20 pairs hold out 2, whose two texts any head ranks within the top 10: epoch 0 could
+    not be beaten, and the untrained head was saved as "trained" without a word."""
+    path = tmp_path / "few.parquet"
+    pq.write_table(make_pairs(20), path)
+    said: list[str] = []
+    result = train(config(str(path), tmp_path / "h", tiny_model_dir, kind="attention",
+                          val_fraction=0.1, group_column=None), log=said.append)
+    assert result.metrics["best_epoch"] == 0
+    assert said[-1].startswith("note: no epoch beat the untrained head on the 2 held-out "
+                               "pairs, so the head saved is the untrained one: ")
+    assert said[-1].endswith("; add pairs, or raise --val-fraction, so that the held-out split "
+                             "can tell heads apart")

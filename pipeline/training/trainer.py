@@ -75,6 +75,8 @@ def train(cfg: TrainConfig, log: Log | None = None) -> TrainResult:
     del encoder
     head = PoolingHead(head_cfg)
     history, best_epoch, best_state = _fit(head, train_split, val_split, cfg, log)
+    if best_epoch == 0:
+        log(_untrained_note(history[0], cfg.k, len(val_split)))
     head.load_state_dict(best_state)
     metrics = _summary(history, best_epoch, cfg, len(train_split), len(val_split), pairs.skipped)
     head.cfg = head.cfg.model_copy(update={"metrics": metrics})
@@ -248,6 +250,16 @@ def _fit(head: PoolingHead, train_split: Split, val_split: Split, cfg: TrainConf
                 log(f"early stop: no better held-out MRR@{k} for {stale} epochs")
                 break
     return history, best_epoch, best_state
+
+
+def _untrained_note(first: dict, k: int, n_val: int) -> str:
+    """Why the saved head is the untrained one: no epoch beat it on the held-out pairs (too
+    few of them to tell heads apart, or it already ranks every query's text first)."""
+    why = (f"it already ranks every held-out query's text first (MRR@{k} 1.0)"
+           if first[f"mrr@{k}"] >= 1.0 - 1e-9 else "training did not improve on it")
+    return (f"note: no epoch beat the untrained head on the {n_val} held-out pairs, so the "
+            f"head saved is the untrained one: {why}; add pairs, or raise --val-fraction, so "
+            "that the held-out split can tell heads apart")
 
 
 def _copy(head: PoolingHead) -> dict:
