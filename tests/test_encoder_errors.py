@@ -65,6 +65,16 @@ def test_missing_model_folder(tmp_path: Path) -> None:
         Embedder(tiny(tmp_path / "nope"), [PoolerSpec(name="mean")])
 
 
+@pytest.mark.parametrize("url", ["s3://models/minilm", "https://huggingface.co/org/model"])
+def test_a_model_url_says_models_are_read_from_local_folders(url: str) -> None:
+    """It said "model folder not found: s3://...", as of a local folder missing."""
+    from pipeline.models.folder import resolve_model_dir
+
+    with pytest.raises(ModelError, match=rf"model {url} is a URL: models are read from a "
+                                         r"local folder"):
+        resolve_model_dir(url)
+
+
 def test_folder_that_is_not_a_model(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ModelError, match="is not a model folder"):

