@@ -225,10 +225,11 @@ def _installation() -> None:
     command line exports them: the lease's TTL, the S3 endpoint and the cache dir that other
     modules read from the environment; and OpenMP's brief spinning, as the CLI sets it
     (``pipeline.torch_thread.spin_briefly``: before torch loads, if it has not)."""
-    from pipeline.settings import load_settings
+    from pipeline.settings import load_settings, withdraw_exports
     from pipeline.torch_thread import spin_briefly
 
     spin_briefly()
+    withdraw_exports()  # an earlier call's settings file, not this one's
     load_settings().export_env()
     # the Prefect API this process starts cannot reach the internet to send its telemetry
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -99,7 +99,21 @@ class Settings(BaseSettings):
         for field, var in _EXPORTED.items():
             value = getattr(self, field)
             if value is not None and not os.environ.get(var):
-                os.environ[var] = str(value)
+                os.environ[var] = _exports[var] = str(value)
+
+
+_exports: dict[str, str] = {}  # what export_env put into this process's environment
+
+
+def withdraw_exports() -> None:
+    """Take back what ``export_env`` put into the environment (a value since changed by
+    someone else stays): a process that runs jobs under several settings files (the Python
+    API called again with another ``EMBEDPIPE_CONFIG``) must not keep an earlier file's, which
+    the environment's precedence would then make win over the new file's."""
+    for var, value in list(_exports.items()):
+        if os.environ.get(var) == value:
+            del os.environ[var]
+        del _exports[var]
 
 
 def load_settings() -> Settings:

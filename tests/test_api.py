@@ -213,6 +213,29 @@ def test_the_api_runs_under_this_installations_settings_file(tmp_path, tiny_mode
     assert json.loads((Path(out) / "_LEASE.json").read_text())["ttl"] == 600  # not 60
 
 
+def test_each_api_call_runs_under_the_settings_file_named_at_the_call(tmp_path, monkeypatch):
+    """A file's lease TTL and S3 endpoint, exported for the modules that read them from the
+    environment, stayed there: a later call under another file (or none) kept the first's,
+    since the environment wins over a file."""
+    from pipeline.lease import lease_ttl
+
+    for var in ("EMBEDPIPE_LEASE_TTL", "EMBEDPIPE_S3_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    seen = []
+    for ttl in (5, 30, None):
+        if ttl is None:
+            monkeypatch.delenv("EMBEDPIPE_CONFIG")
+        else:
+            settings = tmp_path / f"{ttl}.toml"
+            settings.write_text(f'lease_ttl = {ttl}\ns3_endpoint = "http://127.0.0.1:{ttl}"\n')
+            monkeypatch.setenv("EMBEDPIPE_CONFIG", str(settings))
+        with pytest.raises(embedpipe.EmbedpipeError):
+            embedpipe.read_set(str(tmp_path / "no-out"), "mean")  # settings applied, then out
+        seen.append((lease_ttl(), os.environ.get("EMBEDPIPE_S3_ENDPOINT")))
+    assert seen[:2] == [(5, "http://127.0.0.1:5"), (30, "http://127.0.0.1:30")]
+    assert seen[2][1] is None and seen[2][0] not in (5, 30)
+
+
 def test_read_set_is_a_polars_frame_of_the_set(tmp_path, tiny_model_dir):
     out = embedded_set(tmp_path, tiny_model_dir)
     frame = embedpipe.read_set(str(out), "mean").collect()
