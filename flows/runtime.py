@@ -115,19 +115,45 @@ def local_api() -> Iterator[str | None]:
     updates: dict = {"flows.heartbeat_frequency": None}
     if url is not None:
         updates[PREFECT_API_URL] = url
-    # threads the task runners start (the process pool's message forwarder) do not inherit
-    # this context: they read Prefect's process-global settings, replaced here the way
-    # Prefect's own test harness does it (a private helper: without it, nothing is replaced)
-    global_settings = getattr(prefect.context, "_temporary_global_settings_context", None)
-    with temporary_settings(updates=updates), (
-        global_settings(prefect.context.get_settings_context())
-        if global_settings else contextlib.nullcontext()
-    ), reasons_only():
+    with temporary_settings(updates=updates), _process_settings(
+            prefect.context.get_settings_context()), reasons_only():
         try:
             yield url
         finally:
             if url is not None:
                 _drain()
+
+
+_process_lock = threading.Lock()
+_process_holders: list[contextlib.ExitStack] = []  # the first caller's swap, one per holder
+
+
+@contextlib.contextmanager
+def _process_settings(settings: object) -> Iterator[None]:
+    """Prefect's process-global settings replaced by ``settings`` while any ``local_api``
+    block runs: threads the task runners start (the process pool's message forwarder) do not
+    inherit the block's context, they read the global one, replaced the way Prefect's own
+    test harness does it (a private helper: without it, nothing is replaced).
+
+    Blocks of several threads overlap (the Python API called from threads): the first one in
+    replaces the global settings, the last one out restores them, so that they end as they
+    were whatever order the blocks end in (each restoring what it found left a finished
+    block's settings in place for good)."""
+    import prefect.context
+
+    replace = getattr(prefect.context, "_temporary_global_settings_context", None)
+    with _process_lock:
+        stack = _process_holders[0] if _process_holders else contextlib.ExitStack()
+        if not _process_holders and replace is not None:
+            stack.enter_context(replace(settings))
+        _process_holders.append(stack)
+    try:
+        yield
+    finally:
+        with _process_lock:
+            _process_holders.pop()
+            if not _process_holders:
+                stack.close()
 
 
 class _ReasonOnly(logging.Filter):

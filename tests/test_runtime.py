@@ -262,3 +262,24 @@ def test_a_failed_runs_embedpipe_error_is_logged_by_its_reason_alone(prefect_api
     assert ("prefect.task_runs", False) in refusals and ("prefect.flow_runs", False) in refusals
     assert [(name, tb) for name, tb, message in logged if "a bug" in message] == [
         ("prefect.flow_runs", True)], logged
+
+
+def test_overlapping_local_api_blocks_leave_prefects_global_settings_as_they_were() -> None:
+    """Two threads' API calls overlap, and the first ends first: each block restored the
+    global settings it had found, so the second put back the first's for good (its API URL:
+    a later call took embedpipe's local server for one the user configured)."""
+    import prefect.context
+
+    from flows.runtime import _process_settings
+
+    before = prefect.context.GLOBAL_SETTINGS_CONTEXT
+    settings = prefect.context.get_settings_context()
+    first, second = (_process_settings(settings.model_copy()) for _ in range(2))
+    first.__enter__()
+    replaced = prefect.context.GLOBAL_SETTINGS_CONTEXT
+    assert replaced is not before
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first block ends while the second runs
+    assert prefect.context.GLOBAL_SETTINGS_CONTEXT is replaced
+    second.__exit__(None, None, None)
+    assert prefect.context.GLOBAL_SETTINGS_CONTEXT is before
