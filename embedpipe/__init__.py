@@ -14,7 +14,7 @@ Job options are the CLI's flags as keyword arguments (``model``, ``device``, ``d
 ``id_column``, ``text_column``, ``runner``, ``dask_address``, ``workers``, ``rows_per_shard``,
 ``quarantine``, ``dedupe``) plus ``config`` (a TOML file); see ``pipeline.assembly``. Every
 failure in the input raises an ``EmbedpipeError`` (``embedpipe.EmbedpipeError``) whose message
-is the one-line reason.
+is the one-line reason; what the CLI prints as a ``note:`` line is an ``EmbedpipeWarning``.
 
 Importing this module is cheap: torch, FAISS and Prefect load inside the functions.
 """
@@ -22,12 +22,13 @@ Importing this module is cheap: torch, FAISS and Prefect load inside the functio
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import ConfigError, EmbedpipeError
+from pipeline.errors import ConfigError, EmbedpipeError, EmbedpipeWarning
 
 if TYPE_CHECKING:
     import polars as pl
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
     from pipeline.index import IndexResult
     from pipeline.search import Hit
 
-__all__ = ["EmbedpipeError", "backfill", "embed", "evaluate", "index", "read_set", "search"]
+__all__ = ["EmbedpipeError", "EmbedpipeWarning", "backfill", "embed", "evaluate", "index",
+           "read_set", "search"]
 
 
 def embed(corpus: str, out: str, *, poolers: Sequence[str] | None = None,
@@ -112,7 +114,9 @@ def index(out: str, set_name: str | None = None, *, kind: str = "auto",
 def search(out: str, queries: str | Sequence[str], k: int = 10, *, set_name: str | None = None,
            device: str | None = None, snippets: bool = True,
            trust_remote_code: bool = False) -> list[list[Hit]]:
-    """The ``k`` best hits per query from a set's published index (no Prefect involved)."""
+    """The ``k`` best hits per query from a set's published index (no Prefect involved).
+    What the CLI prints as notes (an index older than its set, hits without snippets) is
+    warned as an ``EmbedpipeWarning``."""
     _installation()
     from pipeline.ranking import check_k
     from pipeline.search import Searcher, check_queries
@@ -123,7 +127,10 @@ def search(out: str, queries: str | Sequence[str], k: int = 10, *, set_name: str
                      trust_remote_code=trust_remote_code)
     searcher = Searcher(_path(out, "out"), set_name, device=device,
                         trust_remote_code=trust_remote_code, snippets=snippets)
-    return searcher.search(texts, k, snippets=snippets)
+    hits = searcher.search(texts, k, snippets=snippets)
+    for note in searcher.notes():  # the CLI's note: lines
+        warnings.warn(note, EmbedpipeWarning, stacklevel=2)
+    return hits
 
 
 def evaluate(out: str, queries: str, *, sets: Sequence[str] | None = None, k: int = 10,

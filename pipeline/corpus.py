@@ -120,8 +120,7 @@ def _group_content(group: pq.RowGroupMetaData, columns: tuple[str, str]) -> str:
 
 def _footer(file_url: str) -> tuple[pq.FileMetaData, pa.Schema]:
     try:
-        pf = storage.parquet_file(file_url)
-        return pf.metadata, pf.schema_arrow
+        return storage.parquet_footer(file_url)
     except StorageError as exc:
         raise CorpusError(f"corrupt or unreadable Parquet file {file_url}: {_line(exc)}") from None
     except (OSError, pa.ArrowException) as exc:

@@ -51,3 +51,8 @@ class NonFiniteVectors(ModelError):
                                    "try --dtype fp32")
         return (f"pooler {self.pooler!r} gave {self.count:,} vectors that are not finite "
                 f"(NaN or infinity), one for {example}: {cause}")
+
+
+class EmbedpipeWarning(UserWarning):
+    """Something a caller of the Python API should know of an answer it got (an index older
+    than its set, hits without snippets): what the CLI prints as a ``note:`` line."""

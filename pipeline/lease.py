@@ -549,10 +549,17 @@ def check_holder(out: str, token: str) -> None:
 def check_free(out: str) -> None:
     """Raise ``LeaseHeld`` naming the holder while another writer holds OUT's lease: for a
     caller about to change what that writer reads (the demo's corpus beside its OUT)."""
+    writer = writer_of(out)
+    if writer is not None:
+        raise LeaseHeld(f"{out} is being written by {writer}")
+
+
+def writer_of(out: str) -> str | None:
+    """The writer holding OUT's lease now, described (its command, machine, process), or
+    None where no live writer does. Reads the lease only: a reader takes nothing."""
     holder, _ = _read_holder(_store(out))
     now = time.time()
-    if holder is not None and not holder.free(now):
-        raise LeaseHeld(f"{out} is being written by {holder.describe(now)}")
+    return holder.describe(now) if holder is not None and not holder.free(now) else None
 
 
 def check_held(out: str) -> None:

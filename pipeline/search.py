@@ -201,6 +201,18 @@ class Searcher:
             return ids
         return ids.filter(pc.invert(pc.is_in(ids, value_set=pa.array(deleted, ids.type))))
 
+    def notes(self) -> list[str]:
+        """What a caller should know of the answers so far, one line each: why there are no
+        snippets, the hits whose text the corpus no longer holds, an index older than its
+        set (the CLI prints them, the Python API warns them)."""
+        notes = [self.snippet_note] if self.snippet_note else []
+        if self.snippets is not None and self.snippets.problem:
+            notes.append(self.snippets.problem)
+        if self.stale:
+            notes.append(f"set {self.name!r} changed since it was indexed; run "
+                         f"`embedpipe index {self.out} --set {self.name}`")
+        return notes
+
     @property
     def stale(self) -> bool:
         """The set has changed since the index was built: a new generation, or the set was

@@ -32,6 +32,7 @@ Every write goes through ``pipeline.storage`` and is atomic.
 from __future__ import annotations
 
 import uuid
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Annotated, NamedTuple
 
@@ -45,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validat
 from pipeline import storage
 from pipeline.config import stable_hash
 from pipeline.corpus import arrow_id_type
-from pipeline.errors import ConfigError, FingerprintError, StorageError
+from pipeline.errors import ConfigError, EmbedpipeWarning, FingerprintError, StorageError
 from pipeline.models.hashing import int8_hint
 from pipeline.models.similarity import Similarity
 from pipeline.names import HASHES, PART_PREFIX, QUARANTINE, file_name, set_name
@@ -483,52 +484,77 @@ class SetFolder:
         (``check_part_schema``) and against its shard's done marker: a part of other rows
         than its shard was done with is not the set's."""
         markers = self.read_markers()  # each read once, for both checks
-        urls = self.part_urls(markers)
         found = []
-        for url in urls:
-            pf = storage.parquet_file(url)
-            check_part_schema(url, pf.schema_arrow, meta.dim, arrow_id_type(meta.id_type))
-            marker = markers.get(shard_of(url.rsplit("/", 1)[-1]) or "")
-            if marker is not None and pf.metadata.num_rows != marker.rows:
-                raise StorageError(
-                    f"{url} holds {pf.metadata.num_rows:,} rows, its shard was done with "
-                    f"{marker.rows:,}: it is not the part that shard wrote; restore it, or remove "
-                    f"{self._marker_url(marker.shard)} so that embed redoes the shard")
-            found.append((url, pf.metadata))
+        for url in self.part_urls(markers):
+            footer, schema = storage.parquet_footer(url)
+            self._check_part(url, footer, schema, markers, meta)
+            found.append((url, footer))
         return found
 
-    def scan(self) -> pl.LazyFrame:
-        """The set's parts as one polars LazyFrame with columns ``id`` and ``embedding``, after
-        a pass over them: each checked as ``checked_parts`` does, no null id, no null, NaN or
-        infinite vector, no id twice (one line naming what is wrong, never such rows)."""
-        meta = self.meta()
-        parts = self.checked_parts(meta)
-        urls = [url for url, _ in parts]
-        if not urls:
-            empty = pa.table({"id": pa.array([], arrow_id_type(meta.id_type)),
-                              "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
-            return pl.from_arrow(empty).lazy()
-        repeated_ids((self._checked_rows(url, footer, meta.dim) for url, footer in parts),
-                     self.name, self.out)
-        with storage.explained(self.url, "read"):
-            # the parts' own names, not patterns: an OUT named "run [1]" reads as it is
-            frame = pl.scan_parquet(urls, glob=False,
-                                    storage_options=storage.polars_options(self.url))
-        return frame.select("id", "embedding")
+    def _check_part(self, url: str, footer: pq.FileMetaData, schema: pa.Schema,
+                    markers: dict[str, ShardMarker], meta: SetMeta) -> None:
+        check_part_schema(url, schema, meta.dim, arrow_id_type(meta.id_type))
+        marker = markers.get(shard_of(url.rsplit("/", 1)[-1]) or "")
+        if marker is not None and footer.num_rows != marker.rows:
+            raise StorageError(
+                f"{url} holds {footer.num_rows:,} rows, its shard was done with "
+                f"{marker.rows:,}: it is not the part that shard wrote; restore it, or remove "
+                f"{self._marker_url(marker.shard)} so that embed redoes the shard")
 
-    @staticmethod
-    def _checked_rows(url: str, footer: pq.FileMetaData, dim: int) -> pa.ChunkedArray:
-        """A part's ids, once its rows are checked (``check_ids``, ``vectors_of``) a row
-        group at a time (``footer``: as ``checked_parts`` read it)."""
-        pf = storage.parquet_file(url, footer)
-        ids = []
-        with storage.explained(url, "read"):
+    def scan(self) -> pl.LazyFrame:
+        """The set's rows as one polars LazyFrame with columns ``id`` and ``embedding``, read
+        in one pass over its parts, each checked as ``checked_parts`` does, with no null id,
+        no null, NaN or infinite vector and no id twice (one line naming what is wrong, never
+        such rows). A snapshot: a run that writes to the set later does not change it. A set
+        that a run is writing to, or one that did not finish (``unfinished``), is refused:
+        its parts do not make the set yet (a shard being rewritten is absent, a moved row in
+        two parts)."""
+        meta = self.meta()
+        markers = self.read_markers()
+        if self.unfinished(meta, markers):
+            self._refuse_while_written()
+            warnings.warn(f"set {self.name!r} in {self.out}: the last run that wrote to it did "
+                          "not finish, so it holds the shards that run finished; run embed "
+                          "again to finish it", EmbedpipeWarning, stacklevel=3)
+        try:
+            tables = [self._checked_table(url, markers, meta) for url in self.part_urls(markers)]
+            repeated_ids((t.column("id") for t in tables), self.name, self.out)
+        except StorageError:
+            if self.read_markers() != markers:  # not damage: a run began writing meanwhile
+                self._refuse_while_written(started=True)
+            raise
+        if self.read_markers() != markers:
+            self._refuse_while_written(started=True)
+        empty = pa.table({"id": pa.array([], arrow_id_type(meta.id_type)),
+                          "embedding": pa.array([], pa.list_(pa.float32(), meta.dim))})
+        return pl.from_arrow(pa.concat_tables(tables) if tables else empty).lazy()
+
+    def _refuse_while_written(self, started: bool = False) -> None:
+        """Refuse to read the set while a writer holds OUT (``started``: its markers changed
+        while they were read, so one does, or did)."""
+        from pipeline.lease import writer_of
+
+        writer = writer_of(self.out) or ("a run that began while it was read" if started
+                                         else None)
+        if writer is not None:
+            raise StorageError(f"set {self.name!r} in {self.out} is being written by {writer}: "
+                               "its parts do not make the set until that run ends; read it "
+                               "then")
+
+    def _checked_table(self, url: str, markers: dict[str, ShardMarker], meta: SetMeta
+                       ) -> pa.Table:
+        """A part's ids and vectors, checked (``_check_part``, ``check_ids``, ``vectors_of``)
+        a row group at a time, footer and rows read through one open of the file."""
+        with storage.explained(url, "read"), storage.parquet_file(url) as pf:
+            self._check_part(url, pf.metadata, pf.schema_arrow, markers, meta)
+            groups = []
             for group in range(pf.metadata.num_row_groups):
                 table = pf.read_row_group(group, columns=["id", "embedding"])
-                ids.append(check_ids(table.column("id"), url))
-                vectors_of(table.column("embedding"), url, dim)
-        return pa.chunked_array([c for column in ids for c in column.chunks],
-                                pf.schema_arrow.field("id").type)
+                check_ids(table.column("id"), url)
+                vectors_of(table.column("embedding"), url, meta.dim)
+                groups.append(table)
+            return pa.concat_tables(groups) if groups else pf.schema_arrow.empty_table().select(
+                ["id", "embedding"])
 
     def write_part(self, shard: str, ids: pa.Array, vectors: np.ndarray) -> str:
         """Write one part atomically; returns its file name."""
@@ -606,11 +632,12 @@ class SetFolder:
             markers[marker.shard] = marker
         return markers
 
-    def unfinished(self, meta: SetMeta) -> bool:
+    def unfinished(self, meta: SetMeta, markers: dict[str, ShardMarker] | None = None) -> bool:
         """Whether a run wrote to the set or took shards from it after the last run that
-        finished (killed, or still running): its done markers no longer add up to the shards
-        and rows ``meta`` (``_SET.json``) recorded at that run's end."""
-        markers = self.read_markers()
+        finished (killed, or still running): its done markers (``markers``, where the caller
+        read them) no longer add up to the shards and rows ``meta`` (``_SET.json``) recorded
+        at that run's end."""
+        markers = self.read_markers() if markers is None else markers
         return (len(markers) != meta.shards_done
                 or sum(m.rows for m in markers.values()) != meta.rows_written)
 
@@ -676,7 +703,7 @@ class SetFolder:
         """A leftovers file of ``generation``: its keys (ids of the set's ``id_type``), and its
         vectors (None where not ``vectors``: its keys alone are read)."""
         with storage.explained(url, "read"):
-            schema = storage.parquet_file(url).schema_arrow
+            _, schema = storage.parquet_footer(url)
         if not _leftovers_schema(schema):
             raise StorageError(f"{url}: not a leftovers file (id, hash uint64, embedding "
                                "fixed_size_list<float>, born int64)")

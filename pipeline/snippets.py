@@ -57,7 +57,7 @@ class SnippetStore:
 
     def _schema_problem(self, id_type: pa.DataType) -> str | None:
         for url in storage.expand_parquet(self.corpus):
-            schema = storage.parquet_file(url).schema_arrow
+            _, schema = storage.parquet_footer(url)
             missing = [c for c in (self.id_column, self.text_column) if c not in schema.names]
             if missing:
                 return f"{url} has no column {missing[0]!r}"
@@ -71,10 +71,9 @@ class SnippetStore:
     def _load_ids(self) -> list[tuple[str, int, pa.Array]]:
         groups = []
         for url in storage.expand_parquet(self.corpus):
-            pf = storage.parquet_file(url)
-            if self.id_column not in pf.schema_arrow.names:
-                raise _Moved(f"{url} has no column {self.id_column!r}")
-            with storage.explained(url, "read"):
+            with storage.parquet_file(url) as pf, storage.explained(url, "read"):
+                if self.id_column not in pf.schema_arrow.names:
+                    raise _Moved(f"{url} has no column {self.id_column!r}")
                 for g in range(pf.metadata.num_row_groups):
                     ids = pf.read_row_group(g, columns=[self.id_column]).column(0)
                     groups.append((url, g, ids.combine_chunks()))
@@ -132,8 +131,7 @@ class SnippetStore:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        with storage.explained(url, "read"):
-            pf = storage.parquet_file(url)
+        with storage.explained(url, "read"), storage.parquet_file(url) as pf:
             columns = [self.id_column, self.text_column]
             gone = not set(columns) <= set(pf.schema_arrow.names)
             if gone or group >= pf.metadata.num_row_groups:

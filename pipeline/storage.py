@@ -499,12 +499,23 @@ def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
 
 def parquet_file(url: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
     """Open a Parquet file lazily (metadata only) for streaming row groups; ``metadata``: its
-    footer as a caller already read (and checked) it, not read again."""
+    footer as a caller already read (and checked) it, not read again. The ParquetFile owns
+    the file it opened: ``close()`` (or ``with``) closes it."""
     with explained(url, "open"):
+        source = open_file(url)
         try:
-            return pq.ParquetFile(open_file(url), metadata=metadata)
+            pf = pq.ParquetFile(source, metadata=metadata)
         except pa.ArrowInvalid as exc:
+            source.close()
             raise StorageError(f"{url} is not a readable Parquet file: {exc}") from None
+    pf._close_source = True  # pyarrow leaves a file object it was given open
+    return pf
+
+
+def parquet_footer(url: str) -> tuple[pq.FileMetaData, pa.Schema]:
+    """A Parquet file's footer and Arrow schema, the file closed again."""
+    with parquet_file(url) as pf:
+        return pf.metadata, pf.schema_arrow
 
 
 def _ls(url: str, kinds: tuple[str, ...]) -> list[str]:

@@ -96,7 +96,9 @@ def test_a_shard_with_nan_vectors_fails_in_one_line_and_the_others_are_kept(
     folder = SetFolder(out, "mean")
     assert [m.file for m in folder.read_markers().values()] == ["a.parquet"]
     assert [Path(url).name.startswith("part-a-") for url in folder.part_urls()] == [True]
-    assert embedpipe.read_set(out, "mean").collect()["id"].to_list() == list(range(100, 110))
+    with pytest.warns(embedpipe.EmbedpipeWarning, match="the last run that wrote to it did not "
+                                                        "finish"):
+        assert embedpipe.read_set(out, "mean").collect()["id"].to_list() == list(range(100, 110))
 
     texts[4] = "a striped horse"  # the text fixed: the rerun does the failed shard only
     _write(corpus / "b.parquet", list(range(200, 210)), texts)

@@ -197,3 +197,30 @@ def test_a_stale_index_checks_the_corpus_by_the_ids_still_in_the_set(tmp_path, t
     assert searcher.stale and searcher.snippet_note is None
     (hit,) = searcher.search([text_for(150)], k=1)[0]
     assert (hit.id, hit.snippet) == (150, text_for(150))
+
+
+def test_the_python_api_warns_what_the_cli_notes(tmp_path, tiny_model_dir, capsys):
+    """A deleted row was the API's top hit (snippet None) with nothing to say the index was
+    older than the set, where `query` printed a note."""
+    import warnings
+
+    import embedpipe
+    from _flowkit import text_for, write_corpus
+
+    corpus, out = tmp_path / "c.parquet", tmp_path / "out"
+    write_corpus(corpus, list(range(20)), [text_for(i) for i in range(20)])
+    given = job(corpus, out, tiny_model_dir)
+    run_library(given)
+    index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an up-to-date index: nothing to warn
+        embedpipe.search(str(out), text_for(3), k=1)
+    write_corpus(corpus, list(range(10, 20)), [text_for(i) for i in range(10, 20)])
+    run_library(given, verify=True)  # rows 0-9 deleted, the index not caught up
+    with pytest.warns(embedpipe.EmbedpipeWarning) as warned:
+        (hits,) = embedpipe.search(str(out), text_for(3), k=1)
+    notes = [str(w.message) for w in warned if w.category is embedpipe.EmbedpipeWarning]
+    assert notes[-1] == (f"set 'mean' changed since it was indexed; run `embedpipe index "
+                         f"{out} --set mean`")
+    assert main(["query", str(out), text_for(3), "-k", "1"]) == 0
+    assert capsys.readouterr().err.splitlines() == [f"note: {n}" for n in notes]

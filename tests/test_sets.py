@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import storage
-from pipeline.errors import FingerprintError, StorageError
+from pipeline.errors import EmbedpipeWarning, FingerprintError, StorageError
 from pipeline.sets import SetFolder, SetMeta, ShardMarker, list_sets, scan_set
 
 
@@ -431,6 +431,9 @@ def _write_two_parts(out: str) -> tuple[list, np.ndarray]:
                                         generation=1))
     folder.write_hashes("a", pa.array([1, 2, 3]), np.arange(3, dtype=np.uint64), 1)
     folder.write_changes(1, ["part-a.parquet", "part-b.parquet"], [])
+    # as the run's end records it (pipeline.run.finalize): read_set refuses an unfinished set
+    folder.write_meta(folder.meta().model_copy(
+        update={"shards_done": 2, "rows_written": 5, "generation": 1}))
     return [1, 2, 3, 4, 5], vectors
 
 
@@ -480,3 +483,56 @@ def test_scan_set_round_trips_a_set_on_s3(s3_bucket):
     _check_scan(out, ids, vectors)
     with pytest.raises(StorageError, match="no set 'cls'"):
         scan_set(out, "cls")
+
+
+def test_read_set_is_a_snapshot_of_the_checked_rows(tmp_path):
+    """The frame was checked at the call and read at collect: a part removed or rewritten
+    in between failed polars' own way, or gave rows no check had seen."""
+    out = str(tmp_path / "out")
+    ids, vectors = _write_two_parts(out)
+    frame = scan_set(out, "mean")
+    storage.remove(SetFolder(out, "mean").part_url("b"))
+    got = frame.sort("id").collect()
+    assert got["id"].to_list() == ids
+    assert np.array_equal(got["embedding"].to_numpy(), vectors)
+
+
+def test_read_set_refuses_a_set_a_writer_is_rewriting(tmp_path):
+    """A run removes a shard's marker before it rewrites the part: the set read without
+    the shard's rows, and no word of it."""
+    from pipeline.lease import writer_lease
+
+    out = str(tmp_path / "out")
+    _write_two_parts(out)
+    folder = SetFolder(out, "mean")
+    with writer_lease(out, "embed"):
+        folder.remove_marker("b")  # as pipeline.job's _write_set does first
+        with pytest.raises(StorageError, match=r"set 'mean' in .* is being written by 'embed' "
+                                               r".*: its parts do not make the set until that "
+                                               r"run ends; read it then"):
+            scan_set(out, "mean")
+    # the run stopped there and let OUT go: what it left, said to be unfinished
+    with pytest.warns(EmbedpipeWarning, match=r"the last run that wrote to it did not finish"):
+        assert scan_set(out, "mean").collect()["id"].to_list() == [1, 2, 3]
+
+
+def test_read_set_of_a_part_replaced_while_it_is_read_says_a_run_began(tmp_path, monkeypatch):
+    """Each part's footer was read, then the part opened again with it: a part replaced in
+    between was read with the old file's offsets (Arrow's 'Unexpected end of stream')."""
+    out = str(tmp_path / "out")
+    _write_two_parts(out)
+    folder = SetFolder(out, "mean")
+    listed = SetFolder.part_urls
+
+    def then_a_run_rewrites_b(self, markers=None):
+        urls = listed(self, markers)
+        marker = folder.read_marker("b")
+        folder.remove_marker("b")
+        folder.write_part("b", pa.array([4, 5, 6]), np.ones((3, 3), np.float32))
+        folder.write_marker(marker.model_copy(update={"rows": 3, "generation": 2}))
+        return urls
+
+    monkeypatch.setattr(SetFolder, "part_urls", then_a_run_rewrites_b)
+    with pytest.raises(StorageError, match=r"is being written by a run that began while it was "
+                                           r"read"):
+        scan_set(out, "mean")

@@ -129,14 +129,9 @@ def run_query(args: argparse.Namespace) -> int:
     check_queries([text])  # before the model loads (the server checks its own)
     searcher = Searcher(out, args.set_name, device=args.device, corpus=args.corpus,
                         trust_remote_code=args.trust_remote_code)
-    if searcher.snippet_note:
-        print(f"note: {searcher.snippet_note}", file=sys.stderr)
     _print_hits(searcher.name, text, searcher.search([text], args.k)[0], args.json)
-    if searcher.snippets is not None and searcher.snippets.problem:
-        print(f"note: {searcher.snippets.problem}", file=sys.stderr)
-    if searcher.stale:
-        print(f"note: set {searcher.name!r} changed since it was indexed; run "
-              f"`embedpipe index {out} --set {searcher.name}`", file=sys.stderr)
+    for note in searcher.notes():
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 

@@ -45,7 +45,7 @@ def read_pairs(url: str, query_column: str, text_column: str,
         raise CorpusError(f"{url}: query, text and group columns must differ, got {columns}")
     values: dict[str, list] = {column: [] for column in columns}
     for file in storage.expand_parquet(url):  # as Python values: the files' Arrow types
-        names = storage.parquet_file(file).schema_arrow.names  # may differ (large_string)
+        names = storage.parquet_footer(file)[1].names  # may differ (large_string)
         missing = [c for c in columns if c not in names]
         if missing:
             raise CorpusError(
