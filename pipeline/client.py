@@ -34,12 +34,13 @@ class ServerError(EmbedpipeError):
     reason is kept), or answered with something other than search results."""
 
 
-def search_remote(url: str, queries: list[str], k: int = 10,
+def search_remote(url: str, queries: list[str], k: int | None = None,
                   set_name: str | None = None) -> tuple[str, list[list[Hit]]]:
     """(set name, hits per query) from the server at ``url`` (``http://host:port``); the
-    server's default set where ``set_name`` is None (an empty name is refused, not dropped)."""
+    server's default set where ``set_name`` is None (an empty name is refused, not dropped),
+    and its default k where ``k`` is None."""
     chosen = {} if set_name is None else {"set": names.set_name(set_name)}
-    body = {"queries": queries, "k": k} | chosen
+    body = {"queries": queries} | ({} if k is None else {"k": k}) | chosen
     endpoint = _endpoint(url)
     return _search_results(endpoint, _post(endpoint, body), len(queries))
 

@@ -19,6 +19,9 @@ import polars as pl
 MAX_K = 1000  # the largest cut-off a search or an evaluation takes
 
 
+DEFAULT_K = 10  # hits a search returns where its caller names no k
+
+
 def check_k(k: int) -> int:
     """``k`` when it is a cut-off search takes (1..``MAX_K``), else one line saying so."""
     from pipeline.errors import ConfigError

@@ -357,13 +357,17 @@ def test_query_url_asks_a_running_server(tmp_path, tiny_model_dir):
     out = embedded_set(tmp_path, tiny_model_dir)
     index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
     env = ENV | {"EMBEDPIPE_API_KEY": "test-key-123"}  # the server needs it; the client sends it
-    with serving(out, env=env) as (base, _, _):
+    with serving(out, "--max-k", "5", env=env) as (base, _, _):
         done, _ = _cli("query", "--url", base, TEXTS[4], "-k", "2", "--json", env=env)
         assert done.returncode == 0, done.stderr
         answer = json.loads(done.stdout)
         assert answer["set"] == "mean" and answer["query"] == TEXTS[4]
         assert [h["id"] for h in answer["results"]][0] == 104
         assert answer["results"][0]["snippet"] == TEXTS[4]
+        # no -k: the server's default, its max_k where that is under 10 (was a 422, k=10)
+        done, _ = _cli("query", "--url", base, TEXTS[4], "--json", env=env)
+        assert done.returncode == 0, done.stderr
+        assert len(json.loads(done.stdout)["results"]) == 5
         refused, _ = _cli("query", "--url", base, TEXTS[4], env=ENV)  # no key: 401, one line
         assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
     done, _ = _cli("query", "--url", base, "anything")

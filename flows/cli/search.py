@@ -39,7 +39,8 @@ def _query_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the output folder (not with --url), then the query: its words are "
                    "joined into one query, options may come between them; words after -- "
                    "are all query words (a query that starts with '-': OUT -- -fno-pic flag)")
-    p.add_argument("-k", type=int, default=10)
+    p.add_argument("-k", type=int, help="hits to show (default 10; with --url, the server's: "
+                   "10 or its --max-k)")
     p.add_argument("--set", dest="set_name", metavar="NAME")
     p.add_argument("--url", help="ask a running `embedpipe serve` (http://host:port) instead; "
                    "EMBEDPIPE_API_KEY is sent as a Bearer token when set")
@@ -118,11 +119,13 @@ def run_index(args: argparse.Namespace) -> int:
 
 
 def run_query(args: argparse.Namespace) -> int:
-    from pipeline.ranking import check_k
+    from pipeline.ranking import DEFAULT_K, check_k
 
-    check_k(args.k)
+    if args.k is not None:
+        check_k(args.k)
     if args.url is not None:
         return _query_server(args)
+    args.k = DEFAULT_K if args.k is None else args.k
     from pipeline.search import Searcher, check_queries
 
     out, text = args.words[0], _query_text(args.words[1:])

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 
 from pipeline.errors import EmbedpipeError, TokenLimitError
 from pipeline.live import LiveSets
+from pipeline.ranking import DEFAULT_K
 from pipeline.search import Searcher
 from pipeline.server.config import ServerConfig, choose_default
 from pipeline.server.gate import Busy, Gate
@@ -203,12 +204,12 @@ def _routes(app: FastAPI, config: ServerConfig, live: LiveSets, gate: Gate, defa
               responses={413: {}, 429: {}, 503: {}, 404: {}, 422: {}})
     async def search(req: SearchRequest):
         texts = req.texts()
-        _check_search(req, texts, config)
+        k = _check_search(req, texts, config)
         s = searcher(req.set)  # this generation serves the whole request
         started = time.perf_counter()
-        hits = await gate.run(s.search, texts, req.k)
+        hits = await gate.run(s.search, texts, k)
         took = round((time.perf_counter() - started) * 1000, 2)
-        return SearchResponse(set=s.name, k=req.k, results=hits, took_ms=took)
+        return SearchResponse(set=s.name, k=k, results=hits, took_ms=took)
 
     @app.post("/v1/embeddings", response_model=EmbeddingsResponse,
               responses={413: {}, 429: {}, 503: {}, 404: {}, 422: {}})
@@ -267,12 +268,19 @@ def _describe(s: Searcher) -> dict:
             "model": s.set.model, "fingerprint": m.fingerprint}
 
 
-def _check_search(req: SearchRequest, texts: list[str], config: ServerConfig) -> None:
-    if req.k > config.max_k:
+def _check_search(req: SearchRequest, texts: list[str], config: ServerConfig) -> int:
+    """The request's k (a k it leaves out: ``DEFAULT_K``, or max_k where that is less),
+    once the request is checked against the server's limits."""
+    if req.k is None:
+        k = min(DEFAULT_K, config.max_k)
+    elif req.k > config.max_k:
         raise HTTPException(422, f"k must be <= {config.max_k}")
+    else:
+        k = req.k
     if len(texts) > config.max_batch:
         raise HTTPException(422, f"at most {config.max_batch} queries per request")
     _check_chars(texts, config.max_query_chars, "query")
+    return k
 
 
 def _check_inputs(texts: list[str], config: ServerConfig) -> list[str]:

@@ -59,7 +59,8 @@ class SearchRequest(BaseModel):
 
     query: Text | None = None
     queries: list[Text] | None = Field(default=None, min_length=1, max_length=MAX_BATCH)
-    k: StrictInt = Field(default=10, ge=1, le=MAX_K)  # not true, 5.0 or "5"
+    # not true, 5.0 or "5"; None: the server's default (10, or its max_k where that is less)
+    k: StrictInt | None = Field(default=None, ge=1, le=MAX_K)
     set: str | None = Field(default=None, min_length=1, max_length=64)
 
     @model_validator(mode="after")
