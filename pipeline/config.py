@@ -170,6 +170,9 @@ def _located(path: str) -> str:
     and a URL names its bucket (``s3://`` alone joins to ``s3:/...``: a local folder)."""
     if not path.strip():
         raise ValueError("is empty: name a local path or an s3:// URL")
+    if "::" in path:  # the chain's first scheme is no bucket's (storage refuses chains)
+        raise ValueError(f"{path!r} is a chained URL, which is not supported: give a local "
+                         "path or an s3:// URL")
     scheme, sep, rest = path.partition("://")
     if sep and scheme != "file" and not rest.split("/", 1)[0].strip():
         raise ValueError(f"{path!r} names no bucket: give {scheme}://BUCKET/PATH")

@@ -80,10 +80,12 @@ def test_server_and_training_options_are_taken_at_their_type(tmp_path: Path) -> 
     assert (trained.layers, trained.memory_budget, trained.lr) == ((-1, -2), 10**9, 1.0)
 
 
-@pytest.mark.parametrize("where", ["", " ", "s3://", "s3:///out", "s3:// /out"])
+@pytest.mark.parametrize("where", ["", " ", "s3://", "s3:///out", "s3:// /out",
+                                   "simplecache::file:///tmp/out"])
 def test_a_place_that_names_no_folder_or_bucket_is_one_line(tmp_path: Path, where: str) -> None:
     """``train-pooler PAIRS s3://`` wrote its head into ./s3:/ and ``''`` into /; ``embed C
-    s3://`` ended in a traceback from the lease."""
+    s3://`` ended in a traceback from the lease; a chained URL was told to name its bucket
+    (``simplecache::file://BUCKET/PATH``), then refused as chained."""
     from pipeline.index import IndexRequest
 
     for model, given in [(EmbedJob, {"corpus": "c", "out": where}),
@@ -91,7 +93,9 @@ def test_a_place_that_names_no_folder_or_bucket_is_one_line(tmp_path: Path, wher
                          (TrainConfig, {"pairs": "p", "out": where, "kind": "attention"}),
                          (TrainConfig, {"pairs": where, "out": "o", "kind": "attention"}),
                          (IndexRequest, {"out": where, "set_name": "mean"})]:
-        with pytest.raises(ConfigError, match=r"is empty|names no bucket") as exc:
+        with pytest.raises(ConfigError, match=r"is empty|names no bucket|is a chained URL, "
+                                              r"which is not supported") as exc:
             parse(model, given, "job")
+        assert "BUCKET" not in str(exc.value) or "::" not in where
         assert "\n" not in str(exc.value).strip()
 
