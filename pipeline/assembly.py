@@ -333,8 +333,32 @@ def check_input(job: EmbedJob) -> None:
     describe(job.corpus, job.id_column, job.text_column, job.out)
     if job.encoder.model is not None and job.runner != "dask":
         resolve_model_dir(job.encoder.model)
+    if job.dask_address is not None:
+        check_scheduler(job.dask_address)
     if job.poolers and needs_model(job):
         check_model_choices(job)
+
+
+def check_scheduler(address: str, timeout_s: float = 10.0) -> None:
+    """The Dask scheduler at ``address`` (``tcp://host:port``, ``tls://…``) takes a
+    connection: one at a closed port failed after Prefect's 30 s with a traceback of
+    distributed's, once the run had created OUT's sets."""
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(address if "://" in address else f"tcp://{address}")
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise ConfigError(f"--dask-address {address!r} is not a scheduler address: {exc}") from None
+    if parts.scheme not in ("tcp", "tls") or not host or port is None:
+        raise ConfigError(f"--dask-address {address!r} is not a scheduler address "
+                          "(tcp://HOST:PORT or tls://HOST:PORT)")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the Dask scheduler at {address}: "
+                          f"{exc.strerror or type(exc).__name__}") from None
 
 
 def check_model_choices(job: EmbedJob) -> None:

@@ -85,6 +85,13 @@ def test_bad_input_fails_before_orchestration(tmp_path, tiny_model_dir):
         "for runner 'dask', not 'threads'": ["embed", str(tmp_path / "c.parquet"), out,
                                              "--text-column", "body", "--dask-address",
                                              "tcp://127.0.0.1:1"],
+        # after Prefect's 30 s, a traceback of distributed's, and OUT's sets made
+        "cannot reach the Dask scheduler at tcp://127.0.0.1:1: Connection refused": [
+            "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body", "--runner",
+            "dask", "--dask-address", "tcp://127.0.0.1:1"],
+        "--dask-address 'scheduler' is not a scheduler address": [
+            "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body", "--runner",
+            "dask", "--dask-address", "scheduler"],
     }
     for reason, args in cases.items():
         done, seconds = _cli(*args)
