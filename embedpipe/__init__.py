@@ -89,7 +89,8 @@ def backfill(corpus: str, out: str, *, poolers: Sequence[str], config: str | Non
     from flows.embed import backfill_flow
 
     with _orchestration():
-        return backfill_flow(params, progress=progress)
+        summary = backfill_flow(params, progress=progress)
+    return summary | {"line": summary["line"].replace("embedded", "backfilled", 1)}
 
 
 def index(out: str, set_name: str | None = None, *, kind: str = "auto",

@@ -184,7 +184,7 @@ def test_python_api_end_to_end(tmp_path, tiny_model_dir, prefect_api):
 
     # backfill names no model: it takes the encoder options that made the sets in OUT
     backfilled = embedpipe.backfill(str(corpus), out, poolers=["cls"], rows_per_shard=10)
-    assert backfilled["rows"] == 22
+    assert backfilled["rows"] == 22 and backfilled["line"].startswith("backfilled 22 rows")
     cls, mean = SetFolder(out, "cls").meta(), SetFolder(out, "mean").meta()
     assert all(cls.encoder[k] == mean.encoder[k] for k in VECTOR_OPTIONS)
     assert (cls.encoder["model"], cls.dim) == (str(tiny_model_dir), 32)

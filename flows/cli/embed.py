@@ -108,7 +108,6 @@ def run_backfill(args: argparse.Namespace) -> int:
 
     summary = embedpipe.backfill(args.corpus, args.out, poolers=args.pooler, config=args.config,
                                  progress=True, **_options(args))
-    summary["line"] = summary["line"].replace("embedded", "backfilled", 1)
     print(json.dumps(summary) if args.json else summary["line"])
     return 0
 
