@@ -175,10 +175,26 @@ def resolve_job(params: dict, keep_current: bool = True) -> EmbedJob:
 
     settings = load_settings()
     settings.export_env()
+    given = parse(EmbedJob, params, "embedding job")
     if keep_current:
-        given = parse(EmbedJob, params, "embedding job")
-        params = job_params(keep_sets_current(given, settings.heads))
+        given = keep_sets_current(given, settings.heads)
+    params = job_params(keep_layout(given))
     return parse(EmbedJob, settings.apply_to_job(params), "embedding job")
+
+
+def keep_layout(job: EmbedJob) -> EmbedJob:
+    """A job that gives no ``rows_per_shard`` plans OUT's shards as its sets' last finished
+    run did (``SetMeta.rows_per_shard``; the latest where sets differ): planned with another
+    count, every shard of the corpus is another, and a rerun rewrote every part (vectors
+    reused, a new generation for the indexes to catch up with), a backfill laid its set out
+    apart from the others."""
+    if "rows_per_shard" in job.model_fields_set:
+        return job
+    recorded = [(m.generation, m.rows_per_shard) for m in _stored_sets(job.out)
+                if m.rows_per_shard is not None]
+    if not recorded:
+        return job
+    return job.model_copy(update={"rows_per_shard": max(recorded)[1]})
 
 
 def keep_sets_current(job: EmbedJob, heads: str | None = None) -> EmbedJob:

@@ -385,7 +385,7 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float,
     metas, deleted = {}, []
     for spec in job.poolers:
         metas[spec.name], gone = _finalize_set(SetFolder(job.out, spec.name), planned,
-                                               plan.generation[spec.name], job.corpus)
+                                               plan.generation[spec.name], job)
         deleted.append(gone)
     last = metas[job.poolers[-1].name] if metas else None  # every set holds the same rows
     return RunSummary(
@@ -404,7 +404,7 @@ def finalize(plan: RunPlan, results: list[ShardResult], seconds: float,
     )
 
 
-def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
+def _finalize_set(folder: SetFolder, planned: set[str], g: int, job: EmbedJob
                   ) -> tuple[SetMeta, int]:
     """One set at a run's end: retire its unplanned shards, write its changes file (when
     generation ``g`` changed it) and ``_SET.json`` (the corpus where this run read it: search
@@ -425,7 +425,8 @@ def _finalize_set(folder: SetFolder, planned: set[str], g: int, corpus: str
             "rows_written": held.rows,
             "rows_skipped": held.skipped,
             "generation": g if changed else g - 1,
-            "corpus": corpus,
+            "corpus": job.corpus,
+            "rows_per_shard": job.rows_per_shard,
         }
     )
     check_held(folder.out)

@@ -85,6 +85,9 @@ class SetMeta(BaseModel):
     text_column: str = "text"
     shards_done: int = 0
     rows_written: int = 0
+    # the rows per shard its last finished run planned with: a later run that gives none
+    # keeps that layout (a set's parts are not all rewritten); None: not recorded
+    rows_per_shard: int | None = Field(default=None, gt=0)
     rows_skipped: dict[str, int] = {}
     generation: int = 0
     # made with the set's folder: a set removed and made again under the same name gets

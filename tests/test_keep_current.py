@@ -276,3 +276,28 @@ def test_the_nightly_run_keeps_a_learned_set_current_whose_head_the_operator_kee
     embed_flow(job(corpus, fresh, tiny_model_dir, poolers=[CLS, learned]))
     for name in ("cls", "learned"):
         assert same_vectors(read_set(out, name), read_set(fresh, name), atol=1e-5)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_runs_that_give_no_rows_per_shard_keep_the_sets_shard_layout(tmp_path: Path,
+                                                                     tiny_model_dir: Path):
+    """Made at 10 rows a shard, OUT was planned at the default 20,000 by the next run that
+    gave none: a rerun rewrote every part (a new generation for the index to catch up
+    with), a backfill laid its set out apart from the others."""
+    from pipeline.sets import SetFolder
+
+    corpus, out = _corpus(tmp_path / "a.parquet", 30), tmp_path / "out"
+    made = job(corpus, out, tiny_model_dir, rows_per_shard=10)
+    embed_flow(made)
+    meta = SetFolder(str(out), "mean").meta()
+    assert (meta.rows_per_shard, meta.shards_done, meta.generation) == (10, 3, 1)
+    given = {k: v for k, v in made.items() if k != "rows_per_shard"}
+    before = out_digest(out)
+    assert embed_flow(given)["shards_run"] == 0 and out_digest(out) == before
+    assert nightly_flow(given)["embedded"] == 0 and out_digest(out) == before
+    assert backfill_flow(given | {"poolers": [{"name": "max"}]})["shards_run"] == 3
+    assert SetFolder(str(out), "max").marked_shards() == SetFolder(str(out), "mean").marked_shards()
+    # given again, it wins: the new layout is the sets' from then on
+    embed_flow(made | {"rows_per_shard": 15, "poolers": [{"name": "mean"}, {"name": "max"}]})
+    meta = SetFolder(str(out), "max").meta()
+    assert (meta.rows_per_shard, meta.shards_done) == (15, 2)  # row groups 0-1, then 2
