@@ -96,8 +96,13 @@ def test_any_faiss_factory_string(tmp_path):
     ("IVF4096,Flat", "index 'IVF4096,Flat' has 4,096 lists: training needs at least as many "
                      "rows (39 per list for good ones), it has 3,000 of the set's 3,000; use "
                      "fewer lists or --kind auto"),
-    ("PQ4x12", "FAISS cannot train index 'PQ4x12' on 3,000 rows: Number of training points "
-               "(3000) should be at least as large as number of clusters (4096)"),
+    ("PQ4x12", "index 'PQ4x12' has codebooks of 4,096 centroids: training them needs 159,744 "
+               "rows (39 per centroid), it has 3,000 of the set's 3,000; use fewer bits per code "
+               "(PQ4x6), another kind, or --kind auto"),
+    # FAISS trained it after a warning per codebook, to a recall under the target
+    ("IVF1,PQ8x8", "index 'IVF1,PQ8x8' has codebooks of 256 centroids: training them needs "
+                   "9,984 rows (39 per centroid), it has 3,000 of the set's 3,000; use fewer "
+                   "bits per code (PQ8x6), another kind, or --kind auto"),
 ])
 def test_a_factory_its_rows_cannot_train_is_one_line(tmp_path, factory, says):
     """It was FAISS's traceback (after its warnings)."""

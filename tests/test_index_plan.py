@@ -44,8 +44,10 @@ def test_auto_plans_fit_the_budget_or_fail_clearly(rows, dim, budget):
         assert 0 < plan.train_rows <= rows
         assert rows >= plan.nlist  # every list can get a centroid
     if plan.kind == "ivfpq":
-        m = int(plan.factory.split(",PQ")[1].split("x")[0])
+        m, bits = map(int, plan.factory.split(",PQ")[1].split("x"))
         assert dim % m == 0 and m <= dim // 4
+        # every codebook trains on 39 rows a centroid, or is 1 bit where nothing would
+        assert 39 * 2**bits <= min(rows, plan.train_rows) or bits == 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -87,6 +89,10 @@ def test_auto_choices_at_several_sizes(rows, dim, budget, kind):
 
 def test_named_kinds_and_factory_strings():
     assert plan_index(10_000, 64, "ip", 10**9, "hnsw").factory == "HNSW32"
+    # codebooks of 256 centroids want 9,984 rows: 800 train 16 (it took 204 s to train 96
+    # codebooks of 256, to a recall@10 under 0.91)
+    assert plan_index(800, 16, "ip", 10**9, "ivfpq").factory == "IVF16,PQ4x4"
+    assert plan_index(100_000, 64, "ip", 10**9, "ivfpq").factory.endswith("x8")
     assert plan_index(100_000, 64, "ip", 10**9, "ivf").factory == "IVF512,Flat"
     plan = plan_index(100_000, 64, "ip", 10**9, "OPQ16,IVF256,PQ16")
     assert (plan.kind, plan.factory) == ("factory", "OPQ16,IVF256,PQ16")

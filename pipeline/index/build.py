@@ -35,6 +35,7 @@ from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import (
     BATCH_ROWS,
+    MIN_ROWS_PER_CENTROID,
     NAMED_KINDS,
     QUERY_SAMPLE,
     IndexPlan,
@@ -42,6 +43,7 @@ from pipeline.index.plan import (
     index_kind,
     parse_bytes,
     plan_index,
+    pq_bits_for,
 )
 from pipeline.index.setdata import SetVectors
 from pipeline.index.tune import tune
@@ -283,11 +285,28 @@ def _train(index: faiss.Index, train: np.ndarray, factory: str, rows: int) -> No
             f"(39 per list for good ones), it has {len(train):,} of the set's {rows:,}; use "
             "fewer lists or --kind auto"
         )
+    pq = _product_quantizer(index)
+    if pq is not None and len(train) < MIN_ROWS_PER_CENTROID * pq.ksub:
+        raise ConfigError(
+            f"index {factory!r} has codebooks of {pq.ksub:,} centroids: training them needs "
+            f"{MIN_ROWS_PER_CENTROID * pq.ksub:,} rows ({MIN_ROWS_PER_CENTROID} per centroid), "
+            f"it has {len(train):,} of the set's {rows:,}; use fewer bits per code (PQ{pq.M}x"
+            f"{pq_bits_for(len(train))}), another kind, or --kind auto")
     try:
         index.train(train)
     except RuntimeError as exc:
         raise ConfigError(f"FAISS cannot train index {factory!r} on {len(train):,} rows: "
                           f"{_faiss_reason(exc)}") from None
+
+
+def _product_quantizer(index: faiss.Index) -> faiss.ProductQuantizer | None:
+    """The product quantizer of a PQ index (``PQ…``, ``IVF…,PQ…``, behind an IDMap or a
+    transform), or None."""
+    ivf = ivf_of(index)
+    inner = faiss.downcast_index(ivf if ivf is not None else index)
+    while isinstance(inner, faiss.IndexIDMap | faiss.IndexPreTransform):
+        inner = faiss.downcast_index(inner.index)
+    return getattr(inner, "pq", None)
 
 
 def _add(index: faiss.Index, vectors: np.ndarray, labels: np.ndarray, factory: str) -> None:
