@@ -99,6 +99,9 @@ def score_gold_ranks(ranks: np.ndarray, k: int) -> dict[str, float]:
 
 def recall_of_labels(found: np.ndarray, truth: np.ndarray, k: int) -> float:
     """Mean share of each query's true top-k labels within ``found[:, :k]`` (-1 = no result).
+    ``truth``'s columns past k name rows that score as its k-th does (``ExactTopK.truth``):
+    found, such a row counts as the true one it displaced (an exact index scored 0.991 for
+    rows tied with the 10th within float rounding).
 
     Queries without any true label are left out; with none at all the recall is 1.
     """
@@ -107,8 +110,24 @@ def recall_of_labels(found: np.ndarray, truth: np.ndarray, k: int) -> float:
     relevant = _label_frame(truth[:, :k]).drop("rank")
     if relevant.is_empty():
         return 1.0
-    ranks = ranks_of(_label_frame(found[:, :k]), relevant)
+    found = _ties_as_truth(found[:, :k], truth[:, :k], truth[:, k:])
+    ranks = ranks_of(_label_frame(found), relevant)
     return score(ranks, k)[f"recall@{k}"]
+
+
+def _ties_as_truth(found: np.ndarray, top: np.ndarray, tied: np.ndarray) -> np.ndarray:
+    """``found`` with each label in a query's ``tied`` replaced by a true ``top`` label the
+    query did not find (one for one)."""
+    if not tied.size or (tied < 0).all():
+        return found
+    found = found.copy()
+    for q in np.flatnonzero((tied >= 0).any(axis=1)):
+        extra = set(tied[q][tied[q] >= 0].tolist())
+        missing = [t for t in top[q].tolist() if t >= 0 and t not in set(found[q].tolist())]
+        for j, label in enumerate(found[q].tolist()):
+            if missing and label in extra:
+                found[q, j] = missing.pop()
+    return found
 
 
 def _label_frame(labels: np.ndarray) -> pl.DataFrame:

@@ -50,6 +50,7 @@ from pipeline.index.tune import tune
 from pipeline.sets import SetChanges, SetFolder, SetMeta, list_sets, repeated_ids, shard_of
 
 log = logging.getLogger("embedpipe.index")
+TIES = 10  # exact rows kept past the 10th, for those that tie with it (ExactTopK.truth)
 MAX_MASKED_SHARE = 0.2  # above this share of dead rows in an index that cannot delete: rebuild
 
 
@@ -219,14 +220,14 @@ def _full(req: IndexRequest, info: SetMeta, budget: int, previous: store.IndexMe
         _train(index, train, plan.factory, rows)
         del train
     idmap = IdMap.empty(arrow_id_type(info.id_type))  # every part's (checked_parts)
-    exact = ExactTopK(queries, 10, info.metric)
+    exact = ExactTopK(queries, 10, info.metric, ties=TIES)
     # the query sample is held back while tuning, as real queries are no rows of the set (a
     # row searched for itself is its own nearest, and HNSW finds the rest through it: on
     # 20,000 MiniLM summaries 0.95 was measured where summaries not in the set got 0.85); a
     # set too small to spare them tunes on them in place
     held = query_pos if rows >= 2 * len(query_pos) else query_pos[:0]
     _add_rows(data, index, plan.factory, idmap, exact, held, req.batch_rows)
-    params, recall, tried = tune(IndexHandle(index, idmap, {}), queries, exact.result(),
+    params, recall, tried = tune(IndexHandle(index, idmap, {}), queries, exact.truth(),
                                  req.recall_target)
     if len(held):  # then they join the index
         _append(index, plan.factory, idmap, query_ids, queries)
@@ -477,10 +478,10 @@ def _first_free_label(current: store.IndexMeta, index: faiss.Index, idmap: IdMap
 def _exact_truth(data: SetVectors, info: SetMeta, queries: np.ndarray, idmap: IdMap,
                  batch_rows: int) -> np.ndarray:
     """Exact top-10 labels of ``queries`` over the set's current rows."""
-    exact = ExactTopK(queries, 10, info.metric)
+    exact = ExactTopK(queries, 10, info.metric, ties=TIES)
     lookup = pa.array(idmap.labels)
     for ids, vectors in data.iter_batches(batch_rows):
         pos = pc.index_in(ids.cast(idmap.ids.type), value_set=idmap.ids)
         labels = pc.take(lookup, pos).to_numpy(zero_copy_only=False)
         exact.add(np.asarray(labels, np.int64), vectors)
-    return exact.result()
+    return exact.truth()

@@ -10,14 +10,23 @@ def faiss_metric(metric: str) -> int:
     return faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
 
 
-class ExactTopK:
-    """Running exact nearest neighbours of fixed queries over batches of (labels, vectors)."""
+TIE = 1e-5  # scores this close (relative, at least absolute) rank alike: float32 rounding
 
-    def __init__(self, queries: np.ndarray, k: int, metric: str) -> None:
+
+class ExactTopK:
+    """Running exact nearest neighbours of fixed queries over batches of (labels, vectors).
+
+    ``ties``: as many more are kept, so that ``truth`` can name the rows that score as the
+    k-th does (which of them is the k-th is float rounding's choice, an index's may be
+    another)."""
+
+    def __init__(self, queries: np.ndarray, k: int, metric: str, ties: int = 0) -> None:
         self.queries = np.ascontiguousarray(queries, dtype=np.float32)
-        self.k = k
+        self.k = k + ties
+        self.top = k
         self.metric = metric
-        self.heap = faiss.ResultHeap(len(queries), k, keep_max=metric == "ip")
+        self.heap = faiss.ResultHeap(len(queries), self.k, keep_max=metric == "ip")
+        self.done = False
 
     def add(self, labels: np.ndarray, vectors: np.ndarray) -> None:
         if not len(self.queries) or not len(vectors):
@@ -35,6 +44,20 @@ class ExactTopK:
 
     def result(self) -> np.ndarray:
         """Labels of the exact top-k, shape (queries, k); -1 where the set has fewer rows."""
-        self.heap.finalize()
-        return self.heap.I
+        return self._finalized()[1][:, : self.top]
+
+    def truth(self) -> np.ndarray:
+        """The exact top-k's labels (as ``result``), then those of the kept rows past the
+        k-th that score as it does (-1 elsewhere): shape (queries, k + ties)."""
+        scores, labels = self._finalized()
+        kth = scores[:, self.top - 1 : self.top]
+        tied = np.abs(scores - kth) <= TIE * np.maximum(1.0, np.abs(kth))
+        tied[:, : self.top] = True
+        return np.where(tied & np.isfinite(scores), labels, -1)
+
+    def _finalized(self) -> tuple[np.ndarray, np.ndarray]:
+        if not self.done:
+            self.heap.finalize()
+            self.done = True
+        return self.heap.D, self.heap.I
 
