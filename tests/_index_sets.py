@@ -59,6 +59,9 @@ def write_set(out: Path, name: str, ids, vectors: np.ndarray, parts: int = 3,
     ids = list(ids)
     id_type = pa.array(ids).type if ids else pa.int64()  # what every part of it stores
     extra.setdefault("id_type", str(id_type))
+    # as the run that wrote the parts recorded them at its end (read_set warns otherwise)
+    extra.setdefault("shards_done", parts)
+    extra.setdefault("rows_written", len(ids))
     names = []
     for i, chunk in enumerate(np.array_split(np.arange(len(ids)), parts)):
         part = f"part-{i:05d}.parquet"
