@@ -89,9 +89,6 @@ def test_bad_input_fails_before_orchestration(tmp_path, tiny_model_dir):
         "cannot reach the Dask scheduler at tcp://127.0.0.1:1: Connection refused": [
             "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body", "--runner",
             "dask", "--dask-address", "tcp://127.0.0.1:1"],
-        "--dask-address 'scheduler' is not a scheduler address": [
-            "embed", str(tmp_path / "c.parquet"), out, "--text-column", "body", "--runner",
-            "dask", "--dask-address", "scheduler"],
     }
     for reason, args in cases.items():
         done, seconds = _cli(*args)
@@ -146,6 +143,19 @@ def _latest_summary_artifact() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("address", "says"), [
+    ("scheduler", "--dask-address 'scheduler' is not a scheduler address (tcp://HOST:PORT"),
+    ("http://127.0.0.1:8786", "is not a scheduler address"),
+    ("tcp://127.0.0.1:99999", "is not a scheduler address: Port out of range"),
+])
+def test_a_dask_address_that_is_none_is_one_line(address, says):
+    from pipeline.assembly import check_scheduler
+
+    with pytest.raises(embedpipe.EmbedpipeError) as err:
+        check_scheduler(address)
+    assert says in str(err.value)
+
+
 def test_python_api_end_to_end(tmp_path, tiny_model_dir, prefect_api):
     corpus, out = tmp_path / "corpus", str(tmp_path / "out")
     _write(corpus, "a.parquet", list(range(100, 120)), TEXTS)

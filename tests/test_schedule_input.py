@@ -90,15 +90,14 @@ def test_a_head_trained_for_another_model_is_refused_before_the_server_is_asked(
 @pytest.mark.parametrize(("flags", "problem"), [
     ([], "pooler 'pos': positional head {head} covers 16 token positions, rows here take up to "
          "128 tokens (max_length 128)"),
-    (["--window", "24", "--stride", "8"], "rows here take up to 24 tokens (window size 24)"),
     (["--max-length", "16"], f"cannot reach the Prefect server at {UNREACHABLE}"),
 ])
 def test_a_positional_head_narrower_than_the_rows_is_refused_before_the_server_is_asked(
         corpus: Path, tiny_model_dir: Path, tmp_path: Path, flags: list[str],
         problem: str) -> None:
-    """Every run would refuse it at its model load (``Learned.check_row_tokens``), the model's
-    own max_length (nothing given) as well as a window's size; rows that fit reach the
-    server."""
+    """Every run would refuse it at its model load (``Learned.check_row_tokens``, whose
+    window sizes test_poolers_checks covers), at the model's own max_length too (nothing
+    given); rows that fit reach the server."""
     from pipeline.head_files import HeadConfig
     from pipeline.models.loader import read_model_files
     from pipeline.poolers.heads import PoolingHead, save_head

@@ -204,8 +204,9 @@ def test_the_python_api_warns_what_the_cli_notes(tmp_path, tiny_model_dir, capsy
     older than the set, where `query` printed a note."""
     import warnings
 
-    import embedpipe
     from _flowkit import text_for, write_corpus
+
+    import embedpipe
 
     corpus, out = tmp_path / "c.parquet", tmp_path / "out"
     write_corpus(corpus, list(range(20)), [text_for(i) for i in range(20)])
