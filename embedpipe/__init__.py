@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
@@ -123,7 +123,7 @@ def search(out: str, queries: str | Sequence[str], k: int = 10, *, set_name: str
     from pipeline.search import Searcher, check_queries
 
     texts = check_queries(_names(queries, "queries", "texts", optional=False))
-    check_k(k)
+    k = check_k(k)
     _check_arguments("search", device=device, snippets=snippets,
                      trust_remote_code=trust_remote_code)
     searcher = Searcher(_path(out, "out"), set_name, device=device,
@@ -191,6 +191,9 @@ def _names(value: object, name: str, what: str = "names", optional: bool = True
         return None
     if isinstance(value, str):
         return [value]
+    if isinstance(value, Set):  # no order: results would come back in any
+        raise ConfigError(f"{name} must be a str or a list of {what}, not a "
+                          f"{type(value).__name__} (unordered)")
     if isinstance(value, Iterable) and not isinstance(value, bytes | Mapping):
         return list(value)
     raise ConfigError(f"{name} must be a str or a list of {what}, not {type(value).__name__}")

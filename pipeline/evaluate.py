@@ -91,7 +91,7 @@ def evaluate_sets(out: str, queries: str, sets: Sequence[str] | None = None, k: 
     """
     from pipeline.index import list_sets
 
-    ranking.check_k(k)
+    k = ranking.check_k(k)
     check_report_path(out, ranks_out, "ranks_out")
     relevant, unlabelled = load_queries(queries)
     names = list(dict.fromkeys(sets or list_sets(out)))

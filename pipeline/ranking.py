@@ -23,12 +23,15 @@ DEFAULT_K = 10  # hits a search returns where its caller names no k
 
 
 def check_k(k: int) -> int:
-    """``k`` when it is a cut-off search takes (1..``MAX_K``), else one line saying so."""
+    """``k`` as an int when it is a cut-off search takes (1..``MAX_K``; any integer type, a
+    numpy one too, but a bool), else one line saying so."""
+    from numbers import Integral
+
     from pipeline.errors import ConfigError
 
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+    if isinstance(k, bool | np.bool_) or not isinstance(k, Integral) or not 1 <= k <= MAX_K:
         raise ConfigError(f"-k must be an integer between 1 and {MAX_K}, got {k!r}")
-    return k
+    return int(k)
 
 
 def metric_names(k: int) -> tuple[str, ...]:

@@ -245,7 +245,7 @@ class Searcher:
     def search(self, queries: list[str], k: int = 10,
                snippets: bool = True) -> list[list[Hit]]:
         """Per query, the k best (id, score) with rank and snippet; best first."""
-        check_k(k)
+        k = check_k(k)
         queries = check_queries(queries)
         if not queries:
             return []

@@ -279,6 +279,7 @@ def test_paths_may_be_pathlib_and_names_a_single_str(tmp_path, tiny_model_dir):
     index_set(IndexRequest(out=str(out), set_name="mean"), say=lambda _: None)
     assert embedpipe.read_set(out, "mean").collect().height == 20
     assert embedpipe.search(out, TEXTS[3], k=1)[0][0].id == 103
+    assert len(embedpipe.search(out, TEXTS[3], k=np.int64(3))[0]) == 3  # a numpy count
     queries = tmp_path / "q.parquet"
     pq.write_table(pa.table({"query": TEXTS[:4], "doc_id": [100, 101, 102, 103]}), queries)
     [scores] = embedpipe.evaluate(out, queries, sets="mean", ranks_out=tmp_path / "r.parquet")
@@ -295,6 +296,11 @@ def test_paths_may_be_pathlib_and_names_a_single_str(tmp_path, tiny_model_dir):
      "queries must be a str or a list of texts, not NoneType"),
     (lambda t: embedpipe.evaluate(str(t / "o"), str(t / "q.parquet"), sets=3),
      "sets must be a str or a list of names, not int"),
+    # a set's order is none: the answers came back in whichever order it iterated
+    (lambda t: embedpipe.search(str(t / "o"), {"a", "b"}),
+     "queries must be a str or a list of texts, not a set (unordered)"),
+    (lambda t: embedpipe.search(str(t / "o"), "a", k=np.bool_(True)),
+     "-k must be an integer between 1 and 1000, got True"),
     # "" was taken for the working folder: "OUT o lies inside the corpus <cwd>"
     (lambda t: embedpipe.embed("", str(t / "o")),
      "invalid embedding job: corpus: Value error, is empty: name a local path or an s3:// URL"),
