@@ -300,7 +300,7 @@ def test_paths_may_be_pathlib_and_names_a_single_str(tmp_path, tiny_model_dir):
     (lambda t: embedpipe.search(str(t / "o"), {"a", "b"}),
      "queries must be a str or a list of texts, not a set (unordered)"),
     (lambda t: embedpipe.search(str(t / "o"), "a", k=np.bool_(True)),
-     "-k must be an integer between 1 and 1000, got True"),
+     "-k must be an integer between 1 and 1000, got np.True_"),
     # "" was taken for the working folder: "OUT o lies inside the corpus <cwd>"
     (lambda t: embedpipe.embed("", str(t / "o")),
      "invalid embedding job: corpus: Value error, is empty: name a local path or an s3:// URL"),
