@@ -509,9 +509,9 @@ class SetFolder:
         in one pass over its parts, each checked as ``checked_parts`` does, with no null id,
         no null, NaN or infinite vector and no id twice (one line naming what is wrong, never
         such rows). A snapshot: a run that writes to the set later does not change it. A set
-        that a run is writing to, or one that did not finish (``unfinished``), is refused:
-        its parts do not make the set yet (a shard being rewritten is absent, a moved row in
-        two parts)."""
+        that a run is writing to is refused, its parts do not make the set yet (a shard being
+        rewritten is absent, a moved row in two parts); one whose last run stopped before its
+        end (``unfinished``) is read with an ``EmbedpipeWarning`` saying so."""
         meta = self.meta()
         markers = self.read_markers()
         if self.unfinished(meta, markers):
