@@ -176,28 +176,30 @@ def resolve_job(params: dict, keep_current: bool = True) -> EmbedJob:
     settings = load_settings()
     settings.export_env()
     given = parse(EmbedJob, params, "embedding job")
+    metas = _stored_sets(given.out)  # read once for both
     if keep_current:
-        given = keep_sets_current(given, settings.heads)
-    params = job_params(keep_layout(given))
+        given = keep_sets_current(given, settings.heads, metas)
+    params = job_params(keep_layout(given, metas))
     return parse(EmbedJob, settings.apply_to_job(params), "embedding job")
 
 
-def keep_layout(job: EmbedJob) -> EmbedJob:
+def keep_layout(job: EmbedJob, metas: list[SetMeta] | None = None) -> EmbedJob:
     """A job that gives no ``rows_per_shard`` plans OUT's shards as its sets' last finished
     run did (``SetMeta.rows_per_shard``; the latest where sets differ): planned with another
     count, every shard of the corpus is another, and a rerun rewrote every part (vectors
     reused, a new generation for the indexes to catch up with), a backfill laid its set out
-    apart from the others."""
+    apart from the others. ``metas``: OUT's sets, where the caller read them."""
     if "rows_per_shard" in job.model_fields_set:
         return job
-    recorded = [(m.generation, m.rows_per_shard) for m in _stored_sets(job.out)
-                if m.rows_per_shard is not None]
+    metas = _stored_sets(job.out) if metas is None else metas
+    recorded = [(m.generation, m.rows_per_shard) for m in metas if m.rows_per_shard is not None]
     if not recorded:
         return job
     return job.model_copy(update={"rows_per_shard": max(recorded)[1]})
 
 
-def keep_sets_current(job: EmbedJob, heads: str | None = None) -> EmbedJob:
+def keep_sets_current(job: EmbedJob, heads: str | None = None,
+                      metas: list[SetMeta] | None = None) -> EmbedJob:
     """A job that names no pooler works on every set already in OUT: each with the pooler it
     was made with and, naming no model, with the encoder options that made their vectors
     (``_one_encoder``; options it does give stay as given). So the nightly run keeps a set
@@ -211,7 +213,7 @@ def keep_sets_current(job: EmbedJob, heads: str | None = None) -> EmbedJob:
     in one line asking for the sets by name."""
     if "poolers" in job.model_fields_set:
         return job
-    metas = _stored_sets(job.out)
+    metas = _stored_sets(job.out) if metas is None else metas  # or as the caller read them
     if not metas:
         return job
     params = job.model_dump(mode="json", exclude_unset=True)

@@ -31,7 +31,7 @@ from pipeline.corpus import arrow_id_type
 from pipeline.errors import ConfigError, StorageError
 from pipeline.index import setdata, store
 from pipeline.index.exact import ExactTopK, faiss_metric
-from pipeline.index.handle import IndexHandle, ivf_of, remove, with_ids
+from pipeline.index.handle import IndexHandle, ivf_of, remove, unwrapped, with_ids
 from pipeline.index.idmap import IdMap
 from pipeline.index.plan import (
     BATCH_ROWS,
@@ -304,10 +304,7 @@ def _product_quantizer(index: faiss.Index) -> faiss.ProductQuantizer | None:
     """The product quantizer of a PQ index (``PQ…``, ``IVF…,PQ…``, behind an IDMap or a
     transform), or None."""
     ivf = ivf_of(index)
-    inner = faiss.downcast_index(ivf if ivf is not None else index)
-    while isinstance(inner, faiss.IndexIDMap | faiss.IndexPreTransform):
-        inner = faiss.downcast_index(inner.index)
-    return getattr(inner, "pq", None)
+    return getattr(unwrapped(ivf if ivf is not None else index), "pq", None)
 
 
 def _add(index: faiss.Index, vectors: np.ndarray, labels: np.ndarray, factory: str) -> None:

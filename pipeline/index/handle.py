@@ -24,16 +24,17 @@ def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
         return None
 
 
+def unwrapped(index: faiss.Index) -> faiss.Index:
+    """The index inside ``index``'s IDMap and transform wrappers, as its own class."""
+    inner = faiss.downcast_index(index)
+    while isinstance(inner, faiss.IndexIDMap | faiss.IndexPreTransform):
+        inner = faiss.downcast_index(inner.index)
+    return inner
+
+
 def hnsw_of(index: faiss.Index) -> faiss.IndexHNSW | None:
-    inner = index
-    while True:
-        inner = faiss.downcast_index(inner)
-        if isinstance(inner, faiss.IndexHNSW):
-            return inner
-        if isinstance(inner, faiss.IndexIDMap | faiss.IndexPreTransform):
-            inner = inner.index
-            continue
-        return None
+    inner = unwrapped(index)
+    return inner if isinstance(inner, faiss.IndexHNSW) else None
 
 
 def with_ids(index: faiss.Index) -> faiss.Index:

@@ -58,8 +58,7 @@ class SetVectors:
     def iter_batches(self, batch_rows: int) -> Iterator[tuple[pa.Array, np.ndarray]]:
         """(ids, vectors) of every row, in part order, ``batch_rows`` at a time."""
         for part in self.parts:
-            pf = part.open()
-            with storage.explained(part.url, "read"):
+            with part.open() as pf, storage.explained(part.url, "read"):
                 for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", "embedding"]):
                     yield (check_ids(batch.column(0), part.url),
                            self._vectors(batch.column(1), part.url))
@@ -81,6 +80,8 @@ class SetVectors:
                     ids.append(check_ids(table.column("id").take(take), part.url).combine_chunks())
                     vectors.append(self._vectors(table.column("embedding").take(take), part.url))
                 offset += rows
+            if pf is not None:
+                pf.close()
         if not ids:
             return pa.array([]), np.zeros((0, self.dim), np.float32)
         return pa.concat_arrays(ids), np.concatenate(vectors)
